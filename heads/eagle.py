@@ -1,0 +1,401 @@
+"""EAGLE (EAGLE-1 weights, EAGLE-2 dynamic trees): feature-level autoregression.
+
+One decoder layer reads fc(concat(embed(x_{t+1}), f_t)) at position t and predicts the target's
+next feature f_{t+1}; the frozen target LM head turns it into the distribution of x_{t+2}. The
+layer has no input norm and the head has no final norm: EAGLE's features are the target's
+post-norm final hidden states, so `lm_head(feature)` is directly the target's logits.
+Training (EAGLE): smooth-L1 on features (weight 1.0) + soft cross-entropy against
+softmax(lm_head(f_{t+1})) (weight 0.1). Weight names are those of EAGLE's checkpoints
+(`fc.weight`, `fc.bias`, `layers.0.self_attn.q_proj.weight`, ...).
+
+`EagleFamily` holds what EAGLE and EAGLE-3 share: the training-time-test unroll, acceptance and
+the drafter (its own KV cache + EAGLE-2 trees).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import (DraftHead, FeatureSpec, acceptance_stats, chunked_logit_loss, chunked_top1,
+                   depth_valid_mask, frozen_embedding, frozen_linear, init_linear_, llama_dims,
+                   masked_mean, shift_left, target_argmax)
+from .layers import DecoderLayer, Rotary, SlotKVCache
+from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree, num_dynamic_candidates
+
+
+class EagleFamily(DraftHead):
+    """Shared by EAGLE and EAGLE-3. Subclasses define `input_feature`, `layer_step`,
+    `logit_input`, `draft_head_weight` and `token_map` (see their docstrings)."""
+
+    TARGET_FIELDS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+
+    @classmethod
+    def target_config(cls, target) -> dict:
+        return llama_dims(target)
+
+    def _build_rotary(self, c) -> None:
+        self.rotary = Rotary(c.head_dim, c.rope_parameters, c.max_position_embeddings,
+                             c.hidden_size, c.num_attention_heads)
+
+    # --- what a subclass defines --------------------------------------------------------------
+    def input_feature(self, features: dict[str, Tensor]) -> Tensor:
+        """Step-0 input feature [..., H] from captured/runtime target features."""
+        raise NotImplementedError
+
+    def layer_step(self, feature: Tensor, tokens: Tensor, cos, sin, mask=None, past_kv=None,
+                   ttt_prev=None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """One pass of the draft layer: feature [B, T, H] paired with tokens [B, T] ->
+        (out [B, T, H] = the next step's feature, (k, v))."""
+        raise NotImplementedError
+
+    def logit_input(self, out: Tensor) -> Tensor:
+        """What the draft LM head reads from a layer output (EAGLE-3 normalises it)."""
+        return out
+
+    def draft_head_weight(self) -> Tensor:
+        """[V_draft, H] weight of the LM head producing draft logits."""
+        raise NotImplementedError
+
+    @property
+    def token_map(self) -> Tensor | None:
+        """[V_draft] target id of each draft id, or None when the draft vocab is the target's."""
+        return None
+
+    # --- training-time test --------------------------------------------------------------------
+    def unroll(self, batch: dict[str, Tensor], steps: int, feature: Tensor | None = None) -> list[Tensor]:
+        """Run the layer `steps` times over a teacher-forced batch; outputs [steps] x [B, T, H].
+
+        Step k at position t reads (feature, x_{t+k+1}) at rope position t+k and predicts
+        x_{t+k+2}; step 0's feature is the target's, later steps read the previous step's output.
+        Attention (EAGLE-3's training-time test): the step-0 keys at positions <= t (computed
+        from real target features, as the drafter's committed cache) plus, privately, the keys
+        of steps 1..k at the same t (the chain's own tree ancestors).
+        `feature` overrides the step-0 feature (e.g. with training noise added).
+        """
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        attn = batch.get("attention_mask")
+        attn = torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.bool()
+        pos = (attn.long().cumsum(1) - 1).clamp(min=0)                   # [B, T] (any padding side)
+        eye = torch.eye(T, dtype=torch.bool, device=ids.device)
+        causal = (torch.ones(T, T, dtype=torch.bool, device=ids.device).tril() & attn[:, None]) | eye
+        feat = self.input_feature(batch) if feature is None else feature
+        outs, prev, kv0 = [], [], None
+        for k in range(steps):
+            tokens = shift_left(ids, k + 1)
+            cos, sin = self.rotary(pos + k, feat.dtype)
+            if k == 0:
+                out, kv0 = self.layer_step(feat, tokens, cos, sin, mask=causal)
+            else:
+                out, kv = self.layer_step(feat, tokens, cos, sin, mask=causal, past_kv=kv0,
+                                          ttt_prev=prev)
+                prev = prev + [kv]
+            outs.append(out)
+            feat = out
+        return outs
+
+    @torch.no_grad()
+    def acceptance(self, batch: dict[str, Tensor], depth: int) -> dict:
+        """Greedy acceptance per depth, the draft conditioning on its own features (as at
+        inference) and on the data's tokens. See base.acceptance_stats."""
+        self.require_target_parts()
+        outs = self.unroll(batch, depth)
+        tgt_next = self.target_next(batch)                                # [B, T]
+        valid = depth_valid_mask(batch, depth)                            # [D, B, T]
+        weight, tmap = self.draft_head_weight(), self.token_map
+        preds, confs, tgts = [], [], []
+        for k, out in enumerate(outs):
+            B, T, H = out.shape
+            top1, conf = chunked_top1(self.logit_input(out).reshape(B * T, H), weight)
+            if tmap is not None:
+                top1 = tmap[top1]
+            preds.append(top1.view(B, T))
+            confs.append(conf.view(B, T))
+            tgts.append(shift_left(tgt_next, k + 1, fill=-1))
+        return acceptance_stats(torch.stack(preds), torch.stack(confs), torch.stack(tgts), valid)
+
+    def target_next(self, batch: dict[str, Tensor]) -> Tensor:
+        """The target's greedy next token at every position [B, T]."""
+        return target_argmax(batch, self.target_lm_head_weight())
+
+    def target_lm_head_weight(self) -> Tensor:
+        raise NotImplementedError
+
+    def new_drafter(self, target=None, **opts) -> "EagleDrafter":
+        self.require_target_parts()
+        return EagleDrafter(self, **opts)
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int = 0
+    vocab_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 4096
+    fc_bias: bool = False         # vLLM's EAGLE loader has no fc.bias; EAGLE's own code uses True
+    feature_weight: float = 1.0   # smooth-L1 on features (EAGLE's v_w)
+    token_weight: float = 0.1     # soft CE through the frozen LM head (EAGLE's p_w)
+    ttt_steps: int = 1            # 1 = EAGLE-1 teacher forcing; >1 adds EAGLE-3-style unroll steps
+    step_decay: float = 0.8       # weight of unroll step k is step_decay**k
+    input_noise: float = 0.0      # uniform noise on input features while training (EAGLE uses ~0.2)
+
+
+class EagleHead(EagleFamily):
+    Config = EagleConfig
+    FROZEN_PARTS = {"embed_tokens": "embed_tokens", "lm_head": "lm_head"}
+
+    def __init__(self, config: EagleConfig):
+        super().__init__(config)
+        c = config
+        H = c.hidden_size
+        self.embed_tokens = frozen_embedding(c.vocab_size, H)
+        self.fc = nn.Linear(2 * H, H, bias=c.fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(H, c.num_attention_heads, c.num_key_value_heads,
+                                                  c.intermediate_size, c.head_dim, c.rms_norm_eps,
+                                                  input_norm=False)])
+        self.lm_head = frozen_linear(H, c.vocab_size)
+        self._build_rotary(c)
+        init_linear_(self)
+
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(hidden=True)
+
+    def input_feature(self, features: dict[str, Tensor]) -> Tensor:
+        return features["hidden"].to(self.fc.weight.dtype)
+
+    def layer_step(self, feature, tokens, cos, sin, mask=None, past_kv=None, ttt_prev=None):
+        x = self.fc(torch.cat([self.embed_tokens(tokens).to(feature.dtype), feature], dim=-1))
+        return self.layers[0](x, cos, sin, mask, past_kv, ttt_prev)
+
+    def draft_head_weight(self) -> Tensor:
+        return self.lm_head.weight
+
+    def target_lm_head_weight(self) -> Tensor:
+        return self.lm_head.weight
+
+    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        self.require_target_parts()
+        c = self.config
+        hidden = batch["hidden"].to(self.fc.weight.dtype)
+        feat = hidden
+        if c.input_noise > 0:  # EAGLE's augmentation: the draft later reads its own, noisier features
+            feat = hidden + (torch.rand_like(hidden) - 0.5) * c.input_noise
+        outs = self.unroll(batch, c.ttt_steps, feature=feat)
+        valid = depth_valid_mask(batch, c.ttt_steps)
+        total = hidden.new_zeros(())
+        metrics: dict[str, float] = {}
+        for k, out in enumerate(outs):
+            target = shift_left(hidden, k + 1)                        # f_{t+k+1} [B, T, H]
+            v = valid[k]
+            fl = masked_mean(F.smooth_l1_loss(out, target, reduction="none").mean(-1), v)
+            lt = chunked_logit_loss(out[v], self.lm_head.weight, teacher_h=target[v])
+            tl = lt.loss.mean() if lt.loss.numel() else out.sum() * 0.0
+            total = total + c.step_decay ** k * (c.feature_weight * fl + c.token_weight * tl)
+            metrics[f"feature_loss_{k}"] = float(fl.detach())
+            metrics[f"token_loss_{k}"] = float(tl.detach())
+            metrics[f"acc_{k}"] = float((lt.top1 == lt.teacher_top1).float().mean()) if v.any() else 0.0
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    # --- export (heads/export_common.py) ----------------------------------------------------------
+    # Tensors: fc.weight (+ fc.bias), layers.0.{self_attn,post_attention_layernorm,mlp}.* (layer 0
+    # has no input_layernorm, as EAGLE's); embeddings and LM head stay the target's.
+    def _export_vllm(self, out_dir, target):
+        """vLLM EagleLlamaForCausalLM (model_executor/models/llama_eagle.py): a one-layer Llama
+        config; vLLM maps architecture LlamaForCausalLM -> EagleLlamaForCausalLM for method eagle."""
+        from . import export_common as ex
+
+        if self.config.fc_bias:
+            raise ex.ExportError(
+                "vLLM's EAGLE draft has no fc bias and would silently drop this head's fc.bias: "
+                "export it as 'sglang', or train with fc_bias: false for vLLM")
+        tensors = self.saved_state_dict()
+        config = {**ex.llama_layer_config(self.config, target, tensors),
+                  "architectures": ["LlamaForCausalLM"]}
+        usage = ("vllm serve <verifier> --speculative-config \\\n"
+                 "  '{\"model\": \"<draft>\", \"method\": \"eagle\", \"num_speculative_tokens\": 3}'")
+        return ex.write_export(out_dir, self, target, "vllm", config, tensors, usage=usage,
+                               notes=["Pass \"method\": \"eagle\" explicitly: vLLM only guesses "
+                                      "EAGLE from folder names containing 'eagle-'."])
+
+    def _export_sglang(self, out_dir, target):
+        """SGLang LlamaForCausalLMEagle (sglang/srt/models/llama_eagle.py), whose fc always has a
+        bias: a head trained without one exports a zero bias (the same function)."""
+        from . import export_common as ex
+
+        tensors = self.saved_state_dict()
+        if "fc.bias" not in tensors:
+            tensors["fc.bias"] = torch.zeros(self.fc.out_features, dtype=self.fc.weight.dtype)
+        config = {**ex.llama_layer_config(self.config, target, tensors),
+                  "architectures": ["LlamaForCausalLMEagle"]}
+        usage = ("python -m sglang.launch_server --model-path <verifier> \\\n"
+                 "  --speculative-algorithm EAGLE --speculative-draft-model-path <draft> \\\n"
+                 "  --speculative-num-steps 5 --speculative-eagle-topk 8 "
+                 "--speculative-num-draft-tokens 32")
+        return ex.write_export(out_dir, self, target, "sglang", config, tensors, usage=usage)
+
+
+# ----------------------------------------------------------------------------------------------
+# Drafter: the head's own KV cache per slot + EAGLE-2 dynamic trees
+# ----------------------------------------------------------------------------------------------
+class EagleDrafter:
+    """Drafter for EAGLE-family heads (see base.Drafter for the protocol).
+
+    Cache position p of a slot holds the pair (feature_p, token_{p+1}); the last committed
+    feature waits (`last`) for the next root. Pairs whose tokens are committed but not yet run
+    wait in `pending` and are run, batched, with the roots at the next `propose`. The root pair's
+    K/V is written at propose time (a one-layer head's K/V depend only on the pair itself) and
+    kept if `commit` confirms that root.
+    """
+
+    def __init__(self, head: EagleFamily, max_batch: int = 1, max_len: int = 2048, **unknown):
+        if unknown:
+            raise ValueError(f"unknown {head.head_type()} drafter option(s) {sorted(unknown)}; "
+                             "known: max_batch, max_len")
+        self.head = head.eval()
+        self.feature_spec = head.feature_spec()
+        p = next(head.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.reset(max_batch, max_len)
+
+    def reset(self, max_batch: int, max_len: int) -> None:
+        attn = self.head.layers[0].self_attn
+        self.cache = SlotKVCache(max_batch, attn.num_kv_heads, max_len, attn.head_dim,
+                                 self.dtype, self.device)
+        self.last: list[Tensor | None] = [None] * max_batch          # [H] feature awaiting a token
+        self.pending: list[tuple[Tensor, Tensor] | None] = [None] * max_batch  # ([m, H], [m])
+        self.root_written: list[int | None] = [None] * max_batch
+
+    def _features(self, features: dict[str, Tensor]) -> Tensor:
+        f = {k: v.to(self.device, self.dtype) for k, v in features.items() if v is not None}
+        return self.head.input_feature(f)
+
+    @torch.no_grad()
+    def prefill(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
+        self.release(slot)
+        feats = self._features(features)                                 # [n, H]
+        ids = token_ids.to(self.device).long()
+        self.last[slot] = feats[-1]
+        if ids.numel() > 1:
+            self.pending[slot] = (feats[:-1], ids[1:])
+            self._run_pending([slot])
+
+    @torch.no_grad()
+    def commit(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
+        if self.last[slot] is None:
+            raise RuntimeError(f"slot {slot} has no sequence: call prefill before commit")
+        feats = self._features(features)                                 # [m, H]
+        ids = token_ids.to(self.device).long()
+        pair_feats = torch.cat([self.last[slot][None], feats[:-1]])      # feature before each token
+        if self.root_written[slot] is not None and self.root_written[slot] == int(ids[0]):
+            self.cache.lens[slot] += 1                                   # the root pair's K/V stand
+            pair_feats, ids = pair_feats[1:], ids[1:]
+        self.root_written[slot] = None
+        old = self.pending[slot]
+        if old is not None:
+            pair_feats, ids = torch.cat([old[0], pair_feats]), torch.cat([old[1], ids])
+        self.pending[slot] = (pair_feats, ids) if ids.numel() else None
+        self.last[slot] = feats[-1]
+
+    def release(self, slot: int) -> None:
+        self.cache.lens[slot] = 0
+        self.last[slot] = self.pending[slot] = self.root_written[slot] = None
+
+    def _run_pending(self, slots: list[int], roots: Tensor | None = None) -> Tensor | None:
+        """Run each slot's pending pairs (+ its root pair (last, root) when roots [B] are given)
+        in one padded batch, writing their K/V to the cache. Returns the roots' outputs [B, H]."""
+        rows = []
+        for i, s in enumerate(slots):
+            if self.last[s] is None:
+                raise RuntimeError(f"slot {s} has no sequence: call prefill before propose/commit")
+            f, t = self.pending[s] if self.pending[s] is not None else (
+                torch.zeros(0, self.last[s].shape[-1], device=self.device, dtype=self.dtype),
+                torch.zeros(0, dtype=torch.long, device=self.device))
+            if roots is not None:
+                f, t = torch.cat([f, self.last[s][None]]), torch.cat([t, roots[i:i + 1]])
+            rows.append((f, t))
+        counts = torch.tensor([t.numel() for _, t in rows], device=self.device)
+        B, Q = len(slots), int(counts.max())
+        if Q == 0:
+            return None
+        feats = torch.zeros(B, Q, rows[0][0].shape[-1], device=self.device, dtype=self.dtype)
+        toks = torch.zeros(B, Q, dtype=torch.long, device=self.device)
+        for i, (f, t) in enumerate(rows):
+            feats[i, :t.numel()], toks[i, :t.numel()] = f, t
+        slot_t = torch.tensor(slots, device=self.device)
+        lens = self.cache.lens[slot_t]                                   # [B]
+        P = int(lens.max())
+        ar = torch.arange(max(P, Q), device=self.device)
+        past_ok = ar[None, None, :P] < lens[:, None, None]                  # [B, 1, P]
+        cur_ok = (ar[None, :Q, None] >= ar[None, None, :Q]) & (ar[None, None, :Q] < counts[:, None, None])
+        mask = torch.cat([past_ok.expand(B, Q, P), cur_ok | torch.eye(Q, dtype=torch.bool,
+                                                                      device=self.device)], -1)
+        cos, sin = self.head.rotary(lens[:, None] + ar[None, :Q], self.dtype)
+        out, (k, v) = self.head.layer_step(feats, toks, cos, sin, mask, self.cache.read(slot_t, P))
+        self.cache.write(slot_t, lens, k, v, counts)
+        n_pending = counts - (1 if roots is not None else 0)
+        self.cache.lens[slot_t] += n_pending
+        for s in slots:
+            self.pending[s] = None
+        if roots is None:
+            return None
+        for i, s in enumerate(slots):
+            self.root_written[s] = int(roots[i])
+        return out[torch.arange(B, device=self.device), counts - 1]     # [B, H]
+
+    @torch.no_grad()
+    def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
+        slot_list = [int(s) for s in slots]
+        roots = roots.to(self.device).long()
+        B = len(slot_list)
+        if budget.max_nodes == 0:
+            return DraftTree(tokens=roots[:, None], parents=torch.full((B, 1), -1, device=self.device),
+                             valid=torch.ones(B, 1, dtype=torch.bool, device=self.device),
+                             scores=torch.ones(B, 1, device=self.device))
+        root_out = self._run_pending(slot_list, roots)                    # [B, H]
+        slot_t = torch.tensor(slot_list, device=self.device)
+        root_pos = self.cache.lens[slot_t]                                # root pair's position
+        S = int(root_pos.max()) + 1
+        past_k, past_v = self.cache.read(slot_t, S)
+        prefix_ok = torch.arange(S, device=self.device)[None] <= root_pos[:, None]   # [B, S]
+        C = num_dynamic_candidates(budget)
+        attn = self.head.layers[0].self_attn
+        tree_k = torch.zeros(B, attn.num_kv_heads, C, attn.head_dim, device=self.device, dtype=self.dtype)
+        tree_v = torch.zeros_like(tree_k)
+        state = {"out": root_out[:, None]}                                # outputs of the last frontier
+        head, weight = self.head, self.head.draft_head_weight()
+
+        def logprobs(out: Tensor) -> Tensor:
+            return (head.logit_input(out) @ weight.T).float().log_softmax(-1)
+
+        def step(fr: Frontier) -> Tensor:
+            if fr.depth == 0:
+                return logprobs(state["out"])
+            F_ = fr.tokens.shape[1]
+            parent_out = state["out"].gather(1, fr.parent_slot[..., None].expand(-1, -1, root_out.shape[-1]))
+            in_tree = fr.ancestors.clone()
+            in_tree[:, :, 0] = False                                      # the root lives in the cache
+            in_tree.scatter_(2, fr.node_index[..., None], False)          # self comes as "current"
+            mask = torch.cat([prefix_ok[:, None].expand(B, F_, S), in_tree,
+                              torch.eye(F_, dtype=torch.bool, device=self.device).expand(B, F_, F_)], -1)
+            cos, sin = head.rotary((root_pos[:, None] + fr.depth).expand(B, F_), self.dtype)
+            past = (torch.cat([past_k, tree_k], 2), torch.cat([past_v, tree_v], 2))
+            out, (k, v) = head.layer_step(parent_out, fr.tokens, cos, sin, mask, past)
+            idx = fr.node_index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            tree_k.scatter_(2, idx, k)
+            tree_v.scatter_(2, idx, v)
+            state["out"] = out
+            return logprobs(out)
+
+        return expand_dynamic_tree(step, roots, budget, token_map=head.token_map)
+
+
+HEAD = EagleHead

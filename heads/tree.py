@@ -1,0 +1,302 @@
+"""Draft trees as data: the budget, the flat tree, and the utilities derived from `parents`.
+
+A tree is a batch of flat node lists; node 0 is the root (the pending token, already known),
+every other node is a draft token whose parent has a smaller index, so the node order is a
+topological order and one left-to-right pass can compute anything that flows root -> leaves.
+
+Two ways to build one:
+  * `static_tree(choices)`: a fixed shape given as Medusa-style choice paths; a drafter fills its
+    tokens from per-depth top-k lists (`StaticTree.fill`).
+  * `expand_dynamic_tree(step, roots, budget)`: EAGLE-2's expansion + rerank, driven by any
+    drafter's `step(frontier) -> log_probs` callback.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """How big a draft tree may be.
+
+    max_nodes  draft nodes, excluding the root (0 = plain decoding; `propose` is not called)
+    max_depth  deepest draft level (the root is depth 0)
+    topk       children tried per expanded node (and nodes expanded per level, EAGLE-2)
+    """
+
+    max_nodes: int
+    max_depth: int
+    topk: int
+
+    def __post_init__(self):
+        if self.max_nodes < 0 or self.max_depth < 0 or self.topk < 0:
+            raise ValueError(f"TreeBudget fields must be >= 0, got {self}")
+        if self.max_nodes > 0 and (self.max_depth < 1 or self.topk < 1):
+            raise ValueError(f"a non-empty TreeBudget needs max_depth >= 1 and topk >= 1, got {self}")
+
+
+# On a 2-core CPU a 16-token verification costs ~1.35x a 1-token step and ~1.8x at 32, so small
+# trees win; on a GPU verification of ~64 tokens is nearly free, so trees can be EAGLE-2's size.
+CPU_TREE_BUDGET = TreeBudget(max_nodes=24, max_depth=6, topk=8)
+GPU_TREE_BUDGET = TreeBudget(max_nodes=60, max_depth=7, topk=10)
+
+
+def default_budget(device: str | torch.device = "cpu") -> TreeBudget:
+    return GPU_TREE_BUDGET if torch.device(device).type == "cuda" else CPU_TREE_BUDGET
+
+
+@dataclass
+class DraftTree:
+    """A batch of flat draft trees (node 0 = root). See docs/ARCHITECTURE.md."""
+
+    tokens: Tensor                     # [B, N] long, tokens[:, 0] = roots
+    parents: Tensor                    # [B, N] long, -1 for the root, parents[b, i] < i
+    valid: Tensor                      # [B, N] bool, False on padding nodes
+    draft_probs: Tensor | None = None  # [B, N, V] q(. | parent) a node was sampled from
+    scores: Tensor | None = None       # [B, N] float, cumulative draft probability (root 1)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def masks(self) -> tuple[Tensor, Tensor]:
+        """(depth [B, N], ancestor-or-self mask [B, N, N]); see `tree_masks`."""
+        return tree_masks(self.parents)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError if the tree breaks the DraftTree contract."""
+        B, N = self.tokens.shape
+        if self.parents.shape != (B, N) or self.valid.shape != (B, N):
+            raise ValueError(f"tokens {tuple(self.tokens.shape)}, parents {tuple(self.parents.shape)} "
+                             f"and valid {tuple(self.valid.shape)} must all be [B, N]")
+        if N == 0 or (self.parents[:, 0] != -1).any():
+            raise ValueError("node 0 must be the root with parent -1")
+        idx = torch.arange(N, device=self.parents.device)
+        bad = self.valid[:, 1:] & ((self.parents[:, 1:] < 0) | (self.parents[:, 1:] >= idx[1:]))
+        if bad.any():
+            b, i = bad.nonzero()[0].tolist()
+            raise ValueError(f"tree {b}: node {i + 1} has parent {self.parents[b, i + 1].item()}, "
+                             f"which is not an earlier node")
+        par_ok = self.valid.gather(1, self.parents.clamp(min=0))
+        if (self.valid[:, 1:] & ~par_ok[:, 1:]).any():
+            raise ValueError("a valid node has a padding (invalid) parent")
+        if vocab_size is not None:
+            tok = self.tokens[self.valid]
+            if tok.numel() and (tok.min() < 0 or tok.max() >= vocab_size):
+                raise ValueError(f"tree tokens must lie in [0, {vocab_size})")
+
+    def top_path(self, b: int = 0) -> list[int]:
+        """Tokens of the path that follows the best-scored child from the root (root included)."""
+        scores = self.scores[b] if self.scores is not None else -torch.arange(self.num_nodes).float()
+        path, node = [int(self.tokens[b, 0])], 0
+        while True:
+            kids = ((self.parents[b] == node) & self.valid[b]).nonzero().flatten()
+            if kids.numel() == 0:
+                return path
+            node = int(kids[scores[kids].argmax()])
+            path.append(int(self.tokens[b, node]))
+
+
+def tree_masks(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """Depth and ancestor mask of flat trees.
+
+    parents [B, N] long (-1 = root; padding nodes may point anywhere earlier or be -1)
+    -> depth [B, N] long (root 0), mask [B, N, N] bool with mask[b, i, j] = j is i or an
+    ancestor of i. Positions for tree attention are `base_len + depth`.
+    Example: parents [-1, 0, 0, 1] -> depth [0, 1, 1, 2]; row 3 of the mask = [1, 1, 0, 1].
+    """
+    B, N = parents.shape
+    dev = parents.device
+    mask = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
+    depth = torch.zeros(B, N, dtype=torch.long, device=dev)
+    rows = torch.arange(N, device=dev).expand(B, N)
+    anc = parents.clone()  # [B, N] current ancestor of each node being walked up
+    for _ in range(N):  # each pass climbs one level; a tree of N nodes has depth < N
+        live = anc >= 0
+        if not live.any():
+            break
+        b_idx, i_idx = live.nonzero(as_tuple=True)
+        mask[b_idx, rows[b_idx, i_idx], anc[b_idx, i_idx]] = True
+        depth += live.long()
+        anc = torch.where(live, parents.gather(1, anc.clamp(min=0)), anc)
+    return depth, mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Static trees (Medusa-style choice lists)
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class StaticTree:
+    """A fixed tree shape: node i > 0 is the `rank[i]`-th most likely child of `parents[i]`."""
+
+    choices: list[tuple[int, ...]]  # node i > 0 <-> choices[i - 1], sorted by (depth, path)
+    parents: Tensor                 # [N] long, -1 for the root
+    depth: Tensor                   # [N] long
+    rank: Tensor                    # [N] long, top-k rank of the node among its siblings (root 0)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.rank.max()) + 1
+
+    def fill(self, roots: Tensor, topk_tokens: Tensor, topk_scores: Tensor | None = None) -> DraftTree:
+        """Tokens from per-depth top-k lists, as Medusa does.
+
+        roots [B]; topk_tokens [B, D, K] (depth d's candidates, best first; d = 0 is depth 1);
+        topk_scores [B, D, K] optional probabilities -> scores = product along the path.
+        """
+        B, D, K = topk_tokens.shape
+        if D < self.max_depth or K < self.max_rank:
+            raise ValueError(f"static tree needs top-{self.max_rank} lists for {self.max_depth} "
+                             f"depths, got [B, {D}, {K}]")
+        dev = topk_tokens.device
+        depth, rank = self.depth.to(dev), self.rank.to(dev)
+        d_idx = (depth[1:] - 1).expand(B, -1)                      # [B, N-1]
+        flat = topk_tokens.reshape(B, D * K)
+        tokens = torch.cat([roots.view(B, 1), flat.gather(1, d_idx * K + rank[1:])], dim=1)
+        parents = self.parents.to(dev).expand(B, -1).clone()
+        scores = None
+        if topk_scores is not None:
+            node_p = torch.cat([torch.ones(B, 1, device=dev, dtype=topk_scores.dtype),
+                                topk_scores.reshape(B, D * K).gather(1, d_idx * K + rank[1:])], 1)
+            scores = node_p.clone()
+            for i in range(1, self.num_nodes):  # parents come first: one pass suffices
+                scores[:, i] = node_p[:, i] * scores[:, int(self.parents[i])]
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+        return DraftTree(tokens=tokens, parents=parents, valid=valid, scores=scores)
+
+
+def static_tree(choices: Sequence[Sequence[int]], max_nodes: int | None = None,
+                max_depth: int | None = None) -> StaticTree:
+    """Build a static tree from choice paths: (0,) = best child of the root, (0, 1) = second-best
+    child of that, ... Choices are taken in the given order (Medusa lists them by importance)
+    up to `max_nodes` draft nodes and `max_depth` levels; every prefix of a kept path must be kept.
+    """
+    kept: list[tuple[int, ...]] = []
+    seen: set[tuple[int, ...]] = set()
+    for c in choices:
+        c = tuple(int(x) for x in c)
+        if not c or min(c) < 0:
+            raise ValueError(f"bad tree choice {c}: a non-empty path of ranks >= 0")
+        if c in seen or (max_depth is not None and len(c) > max_depth):
+            continue
+        if max_nodes is not None and len(kept) >= max_nodes:
+            break
+        seen.add(c)
+        kept.append(c)
+    for c in kept:
+        if len(c) > 1 and c[:-1] not in seen:
+            raise ValueError(f"tree choice {c} has no parent {c[:-1]} among the kept choices")
+    kept.sort(key=lambda c: (len(c), c))
+    index = {c: i + 1 for i, c in enumerate(kept)}
+    parents = [-1] + [index[c[:-1]] if len(c) > 1 else 0 for c in kept]
+    return StaticTree(choices=kept, parents=torch.tensor(parents, dtype=torch.long),
+                      depth=torch.tensor([0] + [len(c) for c in kept], dtype=torch.long),
+                      rank=torch.tensor([0] + [c[-1] for c in kept], dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic trees (EAGLE-2)
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Frontier:
+    """The nodes a drafter must run at one expansion step.
+
+    Candidate indices (`node_index`, `ancestors`' last axis) number every node created so far:
+    0 = root, then in creation order; a drafter can keep per-node state (tree K/V) in buffers of
+    size `num_candidates` indexed by them.
+    """
+
+    depth: int            # depth of these nodes (0 = the root)
+    tokens: Tensor        # [B, F] long, target-vocab tokens of the frontier nodes
+    node_index: Tensor    # [B, F] long, candidate index of each frontier node
+    parent_slot: Tensor   # [B, F] long, position of the parent in the previous frontier (-1 at depth 0)
+    ancestors: Tensor     # [B, F, C] bool, ancestor-or-self over all C candidate slots
+    num_candidates: int   # C
+
+
+def num_dynamic_candidates(budget: TreeBudget) -> int:
+    """Nodes `expand_dynamic_tree` creates before the rerank (root included)."""
+    k = budget.topk
+    return 1 + k + max(budget.max_depth - 1, 0) * k * k
+
+
+StepFn = Callable[[Frontier], Tensor]  # frontier -> log_probs [B, F, V]
+
+
+@torch.no_grad()
+def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
+                        token_map: Tensor | None = None) -> DraftTree:
+    """EAGLE-2: grow by cumulative draft probability, then keep the best `max_nodes` nodes.
+
+    step(frontier) -> log_probs [B, F, V]: the drafter's distribution of the next token after
+    each frontier node. token_map [V] optional: maps the step's vocab ids to target ids (EAGLE-3's
+    reduced draft vocab). Per depth: every frontier node proposes its top-k children (k*k
+    candidates, all kept for the rerank) and the top-k of them by cumulative log-prob form the
+    next frontier. Cumulative scores never increase along a path, so the global top-`max_nodes`
+    (ties broken towards the earlier, i.e. shallower, node) is closed under ancestors.
+    """
+    B, dev = roots.shape[0], roots.device
+    k, C = budget.topk, num_dynamic_candidates(budget)
+    tokens = torch.zeros(B, C, dtype=torch.long, device=dev)
+    parents = torch.full((B, C), -1, dtype=torch.long, device=dev)
+    cum = torch.zeros(B, C, device=dev)                      # cumulative log-prob; root 0
+    anc = torch.zeros(B, C, C, dtype=torch.bool, device=dev)  # ancestor-or-self
+    tokens[:, 0], anc[:, 0, 0] = roots, True
+    rows = torch.arange(B, device=dev)[:, None]
+
+    front_idx = torch.zeros(B, 1, dtype=torch.long, device=dev)  # [B, F] candidate indices
+    parent_slot = torch.full((B, 1), -1, dtype=torch.long, device=dev)
+    n = 1  # candidates created so far
+    for depth in range(budget.max_depth):
+        frontier = Frontier(depth=depth, tokens=tokens.gather(1, front_idx), node_index=front_idx,
+                            parent_slot=parent_slot, ancestors=anc[rows, front_idx],
+                            num_candidates=C)
+        logp = step(frontier).float()                        # [B, F, V]
+        F, V = logp.shape[1], logp.shape[2]
+        if V < k:
+            raise ValueError(f"topk={k} exceeds the draft vocabulary ({V})")
+        top_lp, top_id = logp.topk(k, dim=-1)                # [B, F, k]
+        child_cum = (cum.gather(1, front_idx)[:, :, None] + top_lp).reshape(B, F * k)
+        child_tok = top_id.reshape(B, F * k)
+        if token_map is not None:
+            child_tok = token_map[child_tok]
+        new = torch.arange(n, n + F * k, device=dev).expand(B, -1)   # [B, F*k]
+        par = front_idx.repeat_interleave(k, dim=1)                  # [B, F*k]
+        tokens[:, n:n + F * k], parents[:, n:n + F * k], cum[:, n:n + F * k] = child_tok, par, child_cum
+        anc[rows, new] = anc[rows, par]
+        anc[rows, new, new] = True
+        n += F * k
+        # Next frontier: the k best new children (stable sort: equal scores keep creation order).
+        order = child_cum.sort(dim=1, descending=True, stable=True).indices[:, :k]  # [B, k]
+        front_idx, parent_slot = new.gather(1, order), order // k
+
+    # Rerank every candidate and keep the best max_nodes; sorting the kept indices restores a
+    # topological order because parents were always created before their children.
+    keep = min(budget.max_nodes, n - 1)
+    best = cum[:, 1:n].sort(dim=1, descending=True, stable=True).indices[:, :keep] + 1
+    kept = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), best.sort(dim=1).values], 1)
+    remap = torch.full((B, C), -1, dtype=torch.long, device=dev)  # old index -> new index
+    remap[rows, kept] = torch.arange(keep + 1, device=dev).expand(B, -1)
+    old_par = parents.gather(1, kept)
+    new_par = remap.gather(1, old_par.clamp(min=0))
+    new_par[:, 0] = -1
+    assert (new_par[:, 1:] >= 0).all(), "rerank dropped an ancestor of a kept node"
+    return DraftTree(tokens=tokens.gather(1, kept), parents=new_par,
+                     valid=torch.ones(B, keep + 1, dtype=torch.bool, device=dev),
+                     draft_probs=None, scores=cum.gather(1, kept).exp())

@@ -1,0 +1,79 @@
+"""Offline generation in the spirit of vLLM's ``LLM``.
+
+    from specdec.infer.api import LLM, SamplingParams
+    llm = LLM(target="smollm2-135m", method="eagle3", head="runs/.../final")
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=64), chat=True)[0]
+    out.text, out.token_ids, out.stats["tau"], out.stats["tokens_per_s"]
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from specdec.infer.requests import RequestOutput, SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+class LLM:
+    """A target, an optional drafter (``method`` + ``head``) and an engine around them.
+
+    ``target``: a name or folder for ``load_target`` or an already loaded ``Target``.
+    ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
+    """
+
+    def __init__(self, target="smollm2-135m", method: str = "plain", head=None, dtype: str = "float32",
+                 max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
+                 prefill_chunk: int | None = None, **drafter_opts):
+        from specdec.infer.drafters import make_drafter
+        from specdec.infer.engine import Engine
+        from specdec.infer.target import Target, load_target
+
+        self.target = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device)
+        self.method = method
+        self.drafter = make_drafter(method, self.target, head=head, **drafter_opts)
+        self.engine = Engine(self.target, self.drafter, max_batch=max_batch, max_len=max_len, dtype=dtype,
+                             device=device, prefill_chunk=prefill_chunk)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt; ``chat`` wraps a string as one user turn of the chat template."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        tok = self.tokenizer
+        if not chat:
+            return tok(prompt)["input_ids"]
+        if not self.target.chat_template:
+            raise ValueError(f"target {self.target.name!r} has no chat template; use chat=False")
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False, budget=None,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching up to ``max_batch``); outputs in prompt
+        order. ``on_output`` sees every per-step delta (streaming); ``budget`` goes to ``step``."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        for prompt, sp in zip(prompts, per_prompt):
+            rid = f"gen-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, self.encode(prompt, chat), sp)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while any(rid not in final for rid in ids):
+            for out in self.engine.step(budget):
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

@@ -1,0 +1,128 @@
+"""The target's static KV cache and the per-step view the model backends use.
+
+One preallocated pair of tensors per layer, ``k[l], v[l]: [max_batch, kv_heads, max_len, head_dim]``,
+allocated once. A sequence owns one *slot* (row) for its whole life; its committed prefix lives
+in positions ``0 .. length-1`` of that row. A verification step writes its N tree nodes at
+``base_len + node_index`` and, once the accepted path is known, ``compact_kv`` moves the path's
+entries down to ``base_len + depth`` in place. Nothing here allocates per step except the small
+index tensors of :class:`StepAccess`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class CacheFullError(RuntimeError):
+    """No free slot, or a sequence would run past ``max_len``."""
+
+
+class KVCache:
+    """Per-layer static K/V storage: ``k[l], v[l]`` are ``[max_batch, kv_heads_l, max_len, head_dim_l]``."""
+
+    def __init__(self, shapes: list[tuple[int, int]], max_batch: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if max_batch < 1 or max_len < 2:
+            raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch} and {max_len}")
+        self.max_batch, self.max_len = max_batch, max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self.k = [torch.zeros(max_batch, h, max_len, d, dtype=dtype, device=device) for h, d in shapes]
+        self.v = [torch.zeros(max_batch, h, max_len, d, dtype=dtype, device=device) for h, d in shapes]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def layers(self) -> list[Tensor]:
+        """Every K and V tensor (2 per layer): what ``compact_kv`` moves entries in."""
+        return [t for pair in zip(self.k, self.v) for t in pair]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers())
+
+
+class SlotAllocator:
+    """Hands out cache rows; the lowest free slot first so active rows stay packed together
+    (contiguous slots let the backends read the cache through a view instead of a gather)."""
+
+    def __init__(self, max_batch: int):
+        self.free = list(range(max_batch))
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise CacheFullError("all KV slots are in use; finish or abort a request first")
+        self.free.sort()
+        return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        if slot in self.free:
+            raise ValueError(f"slot {slot} released twice")
+        self.free.append(slot)
+
+    def __len__(self) -> int:
+        return len(self.free)
+
+
+class StepAccess:
+    """Where one forward writes and reads: B sequences (``slots``), each with ``base_lens[b]``
+    committed tokens and up to N new tokens written at ``base_lens[b] + 0..N-1``.
+
+    ``valid`` [B, N] (optional) marks padding: padding tokens are computed but never written, so a
+    short row padded to a long batch cannot run past ``max_len`` or clobber anything.
+    Example: slots [3, 5], base_lens [4, 2], N 3 -> writes (3, 4..6) and (5, 2..4); reads keys
+    ``0 .. max(base_lens)+N-1 = 0..6`` of rows 3 and 5 (the mask hides what a row may not see).
+    """
+
+    def __init__(self, cache: KVCache, slots: list[int], base_lens: list[int], n_new: int,
+                 valid: Tensor | None = None):
+        if len(slots) != len(base_lens):
+            raise ValueError(f"{len(slots)} slots but {len(base_lens)} base lengths")
+        bad = [s for s in slots if not 0 <= s < cache.max_batch]
+        if bad:
+            raise ValueError(f"slots {bad} outside 0..{cache.max_batch - 1}")
+        dev = cache.device
+        if valid is not None and bool(valid.all()):
+            valid = None
+        if valid is None:
+            row_new = [n_new] * len(slots)
+        else:  # a row's span ends after its last valid token
+            idx = torch.arange(1, n_new + 1, device=valid.device)
+            row_new = (valid * idx).amax(dim=1).tolist()
+        longest = max(b + n for b, n in zip(base_lens, row_new))
+        if longest > cache.max_len:
+            raise CacheFullError(f"a sequence would reach {longest} tokens; the cache holds max_len={cache.max_len}")
+        self.cache, self.n_new, self.kv_len = cache, n_new, longest
+        self.slots_list, self.base_list = list(slots), list(base_lens)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=dev)          # [B]
+        self.base_lens = torch.tensor(base_lens, dtype=torch.long, device=dev)  # [B]
+        self.write_pos = self.base_lens[:, None] + torch.arange(n_new, device=dev)  # [B, N]
+        self.valid = None if valid is None else valid.to(dev)
+        first = slots[0]
+        # Ascending consecutive slots -> a slice view, no copy of the cache rows.
+        self._row_slice = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
+        self._dense = valid is None and len(set(base_lens)) == 1 and self._row_slice is not None
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """k, v: [B, N, kv_heads, head_dim] for the new tokens of every sequence."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if self._dense:
+            cols = slice(self.base_list[0], self.base_list[0] + self.n_new)
+            kc[self._row_slice, :, cols] = k.transpose(1, 2)
+            vc[self._row_slice, :, cols] = v.transpose(1, 2)
+            return
+        rows = self.slots[:, None].expand_as(self.write_pos)  # [B, N]
+        pos = self.write_pos
+        if self.valid is not None:  # keep real tokens only: [M] indices, k/v [M, kv_heads, head_dim]
+            rows, pos, k, v = rows[self.valid], pos[self.valid], k[self.valid], v[self.valid]
+        # Advanced indices around a slice: the indexed result is [..., kv_heads, head_dim].
+        kc[rows, :, pos] = k
+        vc[rows, :, pos] = v
+
+    def read(self, layer: int, length: int | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values of positions ``0 .. length-1`` (default: through the longest row's new
+        tokens), each [B, kv_heads, length, head_dim]."""
+        length = self.kv_len if length is None else length
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if self._row_slice is not None:
+            return kc[self._row_slice, :, :length], vc[self._row_slice, :, :length]
+        return kc[self.slots, :, :length], vc[self.slots, :, :length]

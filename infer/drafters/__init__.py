@@ -1,0 +1,77 @@
+"""Drafter registry: method name -> a Drafter (or None for plain decoding).
+
+* ``plain``: no drafter; the engine decodes one token per step.
+* head methods: the trained head folder is loaded with ``specdec.heads.load_head`` and asked for
+  its drafter (``head.new_drafter(target, **opts)``); the method name must match the head type.
+* training-free methods: found by module name. ``infer/drafters/<name>.py`` is the method
+  ``<name>``; it defines ``make_drafter(target, **opts) -> Drafter`` (or a ``DRAFTER`` class
+  built as ``DRAFTER(target, **opts)``). Adding one needs no edit here.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+
+# method name -> head type (the registry key in specdec.heads) it loads
+HEAD_METHODS = {
+    "medusa": "medusa",
+    "hydra": "hydra",
+    "eagle": "eagle",
+    "eagle3": "eagle3",
+    "mlp": "mlp_speculator",
+    "sps": "draft_lm",
+    "redrafter": "redrafter",
+}
+
+
+class DrafterError(ValueError):
+    """Unknown method, missing/mismatched head, or a drafter module without a factory."""
+
+
+def training_free_methods() -> list[str]:
+    """Methods implemented as modules in this package (pld, lookahead, rest, hybrid, ...)."""
+    here = Path(__file__).parent
+    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_"))
+
+
+def available_methods() -> list[str]:
+    return ["plain", *HEAD_METHODS, *training_free_methods()]
+
+
+def make_drafter(method: str, target, head=None, **opts):
+    """Build the drafter for ``method`` on ``target``; ``head`` is a head folder (or an already
+    loaded head object) for head methods. Returns None for ``plain``."""
+    if method == "plain":
+        if head is not None:
+            raise DrafterError("method 'plain' takes no head")
+        return None
+    if method in HEAD_METHODS:
+        return _head_drafter(method, target, head, **opts)
+    if method in training_free_methods():
+        if head is not None:
+            raise DrafterError(f"method {method!r} is training-free and takes no head")
+        module = importlib.import_module(f"{__name__}.{method}")
+        factory = getattr(module, "make_drafter", None) or getattr(module, "DRAFTER", None)
+        if factory is None:
+            raise DrafterError(f"{module.__name__} defines neither make_drafter() nor DRAFTER")
+        return factory(target, **opts)
+    raise DrafterError(f"unknown method {method!r}; available: {', '.join(available_methods())}")
+
+
+def _head_drafter(method: str, target, head, **opts):
+    if head is None:
+        raise DrafterError(f"method {method!r} needs a trained head: pass its folder (--head PATH)")
+    if isinstance(head, (str, Path)):
+        from specdec.heads import load_head
+
+        folder = Path(head)
+        if not folder.is_dir():
+            raise DrafterError(f"head folder {folder} does not exist")
+        head = load_head(folder, target)
+    head_type = getattr(head, "head_type", None)  # DraftHead.head_type() = its registry key
+    head_type = head_type() if callable(head_type) else head_type
+    expected = HEAD_METHODS[method]
+    if head_type is not None and head_type != expected:
+        raise DrafterError(f"method {method!r} expects a {expected!r} head, but the head is {head_type!r}")
+    return head.new_drafter(target, **opts)

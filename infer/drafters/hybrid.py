@@ -1,0 +1,187 @@
+"""Hybrid drafting: a trained head's tree and retrieval candidates (PLD + REST) in one tree.
+
+Each step every source proposes under the same TreeBudget: the head (EAGLE-3 or any head
+drafter) its dynamic tree, PLD its prompt-lookup matches, REST its datastore continuations. The
+candidates are merged into one trie (a token path proposed by several sources is one node) and
+the best ``max_nodes`` nodes by *estimated acceptance* are kept:
+
+  head node at depth d         its own score: the cumulative draft probability (EAGLE-2's rerank)
+  retrieval node at depth d    alpha_s ** d * w, alpha_s = the source's online per-token
+                               acceptance rate, w = the node's weight inside its source
+                               (PLD: 1/rank of its match, REST: relative frequency)
+
+alpha_s is learned while decoding: after each step, for every node on the committed path, each
+source that proposed a child of it counts one trial, and a success if the committed token was
+among its children (only nodes that made it into the proposed tree count; a Beta(2, 2)-smoothed
+rate over all steps and slots). So a copy-heavy prompt
+(summaries, code edits, RAG) soon ranks PLD/REST paths above the head's, and an open-ended one
+leaves the budget to the head. All scores are non-increasing along paths, so the kept nodes form
+a tree. The merged tree is deterministic (``draft_probs`` None): even if the head sampled its
+children, treating the final candidate set as fixed is lossless under the point-mass rule.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from specdec.heads.base import FeatureSpec
+from specdec.heads.tree import DraftTree, TreeBudget
+
+from .pld import NO_FEATURES, CandidateTrie, PLDDrafter, pack_trees, token_list
+from .rest import RESTDrafter
+from .rest import make_drafter as make_rest
+
+# What `hybrid=VALUE` in a method spec means (specdec-bench): the trained head's folder.
+VALUE_OPTION = "draft_head"
+HEAD = "head"
+
+
+class AcceptanceEstimate:
+    """Per-source per-token acceptance rate, Beta(prior_hits, prior_misses)-smoothed."""
+
+    def __init__(self, prior_hits: float = 2.0, prior_misses: float = 2.0):
+        self.hits: dict[str, float] = {}
+        self.trials: dict[str, float] = {}
+        self.prior = (prior_hits, prior_misses)
+
+    def rate(self, source: str) -> float:
+        a, b = self.prior
+        return (self.hits.get(source, 0.0) + a) / (self.trials.get(source, 0.0) + a + b)
+
+    def update(self, source: str, hit: bool) -> None:
+        self.trials[source] = self.trials.get(source, 0.0) + 1
+        self.hits[source] = self.hits.get(source, 0.0) + float(hit)
+
+
+class HybridDrafter:
+    """Merge a head drafter (optional) with PLD and REST drafters; see the module docstring."""
+
+    def __init__(self, head_drafter=None, pld: PLDDrafter | None = None,
+                 rest: RESTDrafter | None = None):
+        if head_drafter is None and pld is None and rest is None:
+            raise ValueError("hybrid needs at least one source (a head, pld or rest)")
+        self.head, self.pld, self.rest = head_drafter, pld, rest
+        self.retrieval = {name: d for name, d in (("pld", pld), ("rest", rest)) if d is not None}
+        self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES
+        self.estimate = AcceptanceEstimate()
+        self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
+
+    def _all(self):
+        return ([self.head] if self.head is not None else []) + list(self.retrieval.values())
+
+    # -- protocol ----------------------------------------------------------------------------
+    def reset(self, max_batch: int, max_len: int) -> None:
+        for d in self._all():
+            d.reset(max_batch, max_len)
+        self.last_trie.clear()
+
+    def prefill(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
+        for d in self._all():
+            d.prefill(slot, token_ids, features)
+        self.last_trie.pop(slot, None)
+
+    def commit(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
+        self.learn(slot, token_list(token_ids))
+        for d in self._all():
+            d.commit(slot, token_ids, features)
+
+    def release(self, slot: int) -> None:
+        for d in self._all():
+            d.release(slot)
+        self.last_trie.pop(slot, None)
+
+    def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
+        slot_list, root_list = [int(s) for s in slots.tolist()], [int(r) for r in roots.tolist()]
+        head_tree = self.head.propose(slots, roots, budget) if self.head is not None else None
+        tries = []
+        for b, (slot, root) in enumerate(zip(slot_list, root_list)):
+            trie = CandidateTrie(root)
+            if head_tree is not None:
+                self._add_head(trie, head_tree, b)
+            for name, drafter in self.retrieval.items():
+                self._add_retrieval(trie, drafter.trie(slot, root, budget, source=name), name)
+            self.last_trie[slot] = trie
+            tries.append(trie)
+        return pack_trees(tries, budget, roots.device)
+
+    # -- merging -----------------------------------------------------------------------------
+    def _add_head(self, trie: CandidateTrie, tree: DraftTree, b: int) -> None:
+        """Insert the head's valid nodes root-to-leaf (parents come first in a DraftTree)."""
+        tokens, parents = tree.tokens[b].tolist(), tree.parents[b].tolist()
+        valid = tree.valid[b].tolist()
+        if tree.scores is not None:
+            scores = tree.scores[b].float().tolist()
+        else:  # no confidences: the online rate per depth stands in
+            depth = tree.masks()[0][b].tolist()
+            scores = [self.estimate.rate(HEAD) ** d for d in depth]
+        paths: dict[int, list[int]] = {0: []}
+        score_paths: dict[int, list[float]] = {0: []}
+        for i in range(1, len(tokens)):
+            if not valid[i] or parents[i] not in paths:
+                continue
+            paths[i] = paths[parents[i]] + [tokens[i]]
+            # Keep scores monotone along the path even if a head's scores are not.
+            prev = score_paths[parents[i]][-1] if score_paths[parents[i]] else 1.0
+            score_paths[i] = score_paths[parents[i]] + [min(scores[i], prev)]
+            trie.add(paths[i], score_paths[i], source=HEAD)
+
+    def _add_retrieval(self, trie: CandidateTrie, sub: CandidateTrie, name: str) -> None:
+        """Re-score a retrieval source's trie by alpha ** depth * its weight and merge it."""
+        alpha = self.estimate.rate(name)
+        children: dict[int, list[int]] = {}
+        for i in range(1, len(sub.tokens)):
+            children.setdefault(sub.parents[i], []).append(i)
+        stack = [(0, [], [])]
+        while stack:  # every root-to-leaf path of the sub-trie
+            node, path, scores = stack.pop()
+            kids = children.get(node, [])
+            if not kids and path:
+                trie.add(path, scores, source=name)
+            for k in kids:
+                score = alpha ** sub.depth[k] * min(sub.scores[k], 1.0)
+                stack.append((k, path + [sub.tokens[k]], scores + [score]))
+
+    def learn(self, slot: int, committed: list[int]) -> None:
+        """Update each source's acceptance rate from the committed path of the last tree."""
+        trie = self.last_trie.pop(slot, None)
+        if trie is None or not committed or committed[0] != trie.tokens[0]:
+            return
+        proposed = trie.kept if trie.kept is not None else set(range(len(trie.tokens)))
+        node = 0
+        for tok in committed[1:] + [None]:  # None: the path ended; its last node's children failed
+            kids = [i for i in proposed if i and trie.parents[i] == node]
+            proposers = set().union(*(trie.sources[i] for i in kids)) if kids else set()
+            nxt = trie.child(node, tok) if tok is not None else None
+            for src in proposers:
+                self.estimate.update(src, nxt is not None and src in trie.sources[nxt])
+            if nxt is None:
+                return
+            node = nxt
+
+
+def make_drafter(target, draft_head=None, head=None, datastore=None, use_pld: bool = True,
+                 use_rest: bool = True, head_opts: dict | None = None, pld_opts: dict | None = None,
+                 rest_opts: dict | None = None) -> HybridDrafter:
+    """``hybrid`` for the drafter registry.
+
+    draft_head (or head): a trained head folder, or an already loaded head, e.g. EAGLE-3; None
+    drafts from retrieval only. datastore: REST's datastore folder (None: the default one over
+    the bundled prompts). use_pld / use_rest switch the retrieval sources off.
+    """
+    head = draft_head if draft_head is not None else head
+    head_drafter = None
+    if head is not None:
+        from pathlib import Path
+
+        if isinstance(head, (str, Path)):
+            from specdec.heads import load_head
+
+            if not Path(head).is_dir():
+                raise FileNotFoundError(f"hybrid: head folder {head} does not exist")
+            head = load_head(head, target)
+        head_drafter = head.new_drafter(target, **(head_opts or {}))
+    pld = PLDDrafter(target, **(pld_opts or {})) if use_pld else None
+    rest = make_rest(target, datastore=datastore, **(rest_opts or {})) if use_rest else None
+    return HybridDrafter(head_drafter, pld, rest)
+
+
+__all__ = ["AcceptanceEstimate", "HybridDrafter", "make_drafter"]

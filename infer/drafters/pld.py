@@ -1,0 +1,249 @@
+"""Prompt lookup decoding (PLD): draft by copying what followed the current n-gram earlier.
+
+Saxena (2023), "Prompt Lookup Decoding": the last n tokens of the sequence (prompt + output so
+far, ending with the pending root) are searched for earlier in the same sequence; the tokens that
+followed an earlier occurrence are the draft. n runs from ``max_ngram`` down to ``min_ngram``
+(longer matches are more specific, the 1-gram is the fallback). Unlike the original, which keeps
+one match, several matches (most recent first, then shorter n-grams) become a tree: shared
+prefixes are merged, and the tree is cut to the TreeBudget.
+
+This module also holds the two pieces every retrieval drafter here shares (REST, lookahead,
+hybrid): ``TokenHistory`` (per-slot committed tokens) and ``CandidateTrie`` (candidate paths
+merged into one scored tree, cut to a budget, packed into a ``DraftTree``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specdec.heads.base import FeatureSpec
+from specdec.heads.tree import DraftTree, TreeBudget
+
+NO_FEATURES = FeatureSpec(hidden=False, aux_layers=(), topk_logits=0)
+
+
+# ---------------------------------------------------------------------------- shared pieces
+
+
+class TokenHistory:
+    """Committed token ids per slot (prompt + accepted output), in growable int64 buffers."""
+
+    def __init__(self, initial: int = 256):
+        self._buf: dict[int, np.ndarray] = {}
+        self._len: dict[int, int] = {}
+        self._initial = initial
+
+    def reset(self, max_len: int | None = None) -> None:
+        self._buf.clear()
+        self._len.clear()
+        if max_len:
+            self._initial = max(16, min(int(max_len), 4096))
+
+    def set(self, slot: int, ids) -> None:
+        self._buf[slot] = np.zeros(max(self._initial, 16), dtype=np.int64)
+        self._len[slot] = 0
+        self.extend(slot, ids)
+
+    def extend(self, slot: int, ids) -> None:
+        ids = token_list(ids)
+        if slot not in self._buf:
+            self.set(slot, [])
+        n, buf = self._len[slot], self._buf[slot]
+        if n + len(ids) > len(buf):  # amortised doubling
+            grown = np.zeros(max(2 * len(buf), n + len(ids)), dtype=np.int64)
+            grown[:n] = buf[:n]
+            self._buf[slot] = buf = grown
+        buf[n:n + len(ids)] = ids
+        self._len[slot] = n + len(ids)
+
+    def get(self, slot: int) -> np.ndarray:
+        """The slot's tokens [n] (a view: do not keep it across extend)."""
+        if slot not in self._buf:
+            return np.zeros(0, dtype=np.int64)
+        return self._buf[slot][:self._len[slot]]
+
+    def release(self, slot: int) -> None:
+        self._buf.pop(slot, None)
+        self._len.pop(slot, None)
+
+
+def token_list(ids) -> list[int]:
+    if isinstance(ids, Tensor):
+        return ids.detach().flatten().cpu().tolist()
+    return [int(t) for t in ids]
+
+
+class CandidateTrie:
+    """Candidate continuations of one root merged into a trie, each node with a score.
+
+    ``add(path, scores)`` inserts tokens after the root; a node reached by several candidates
+    keeps the highest score (and the union of their sources). Scores must not increase along a
+    path (parents score at least as high as children); ``select`` then keeps the best
+    ``max_nodes`` nodes (ties: shallower first, then insertion order), which is closed under
+    ancestors, so the kept nodes form a tree.
+    Example: root r, add([a, b], [.9, .8]) and add([a, c], [.7, .6]) -> r-a-{b, c}, a scored .9.
+    """
+
+    def __init__(self, root: int):
+        self.tokens, self.parents, self.depth = [int(root)], [-1], [0]
+        self.scores: list[float] = [float("inf")]
+        self.sources: list[set[str]] = [set()]
+        self._child: dict[tuple[int, int], int] = {}
+        self._kids: list[int] = [0]  # number of children per node
+        self.kept: set[int] | None = None  # the nodes `select` kept
+
+    def __len__(self) -> int:
+        return len(self.tokens) - 1  # draft nodes
+
+    def add(self, path: Sequence[int], scores: Sequence[float] | float = 1.0, source: str = "",
+            max_depth: int | None = None, max_children: int | None = None) -> None:
+        node = 0
+        for d, tok in enumerate(path):
+            if max_depth is not None and d >= max_depth:
+                return
+            score = float(scores if isinstance(scores, (int, float)) else scores[d])
+            key = (node, int(tok))
+            child = self._child.get(key)
+            if child is None:
+                if max_children is not None and self._kids[node] >= max_children:
+                    return
+                child = len(self.tokens)
+                self._child[key] = child
+                self.tokens.append(int(tok))
+                self.parents.append(node)
+                self.depth.append(d + 1)
+                self.scores.append(score)
+                self.sources.append(set())
+                self._kids.append(0)
+                self._kids[node] += 1
+            else:
+                self.scores[child] = max(self.scores[child], score)
+            if source:
+                self.sources[child].add(source)
+            node = child
+
+    def child(self, node: int, token: int) -> int | None:
+        return self._child.get((node, int(token)))
+
+    def select(self, max_nodes: int) -> list[int]:
+        """Indices of the kept nodes, root first, parents before children."""
+        order = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], self.depth[i], i))
+        kept, chosen = {0}, [0]
+        for i in order:
+            if len(chosen) > max_nodes:
+                break
+            if self.parents[i] in kept:  # always true for monotone scores; guards the rest
+                kept.add(i)
+                chosen.append(i)
+        self.kept = set(chosen[:max_nodes + 1])  # what was proposed (hybrid learns from it)
+        return sorted(self.kept)
+
+
+def pack_trees(tries: Sequence[CandidateTrie], budget: TreeBudget, device) -> DraftTree:
+    """Cut each trie to the budget and pad them into one DraftTree [B, N] (node 0 = root)."""
+    picked = [t.select(budget.max_nodes) for t in tries]
+    B, N = len(tries), max(len(p) for p in picked)
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    parents = torch.zeros(B, N, dtype=torch.long)
+    valid = torch.zeros(B, N, dtype=torch.bool)
+    scores = torch.zeros(B, N)
+    for b, (trie, nodes) in enumerate(zip(tries, picked)):
+        new_index = {old: new for new, old in enumerate(nodes)}
+        n = len(nodes)
+        tokens[b, :n] = torch.tensor([trie.tokens[i] for i in nodes])
+        parents[b, :n] = torch.tensor([new_index.get(trie.parents[i], -1) for i in nodes])
+        valid[b, :n] = True
+        scores[b, :n] = torch.tensor([min(trie.scores[i], 1.0) for i in nodes])
+    parents[:, 0] = -1
+    return DraftTree(tokens=tokens.to(device), parents=parents.to(device), valid=valid.to(device),
+                     draft_probs=None, scores=scores.to(device))
+
+
+# ---------------------------------------------------------------------------- PLD
+
+
+def find_continuations(seq: np.ndarray, max_ngram: int, min_ngram: int, length: int,
+                       max_matches: int) -> list[list[int]]:
+    """Continuations of the n-gram that ends ``seq`` [L], found earlier in ``seq``.
+
+    Per n (max_ngram..min_ngram), every earlier occurrence of seq[L-n:], most recent first;
+    the continuation is up to ``length`` tokens after it (it may run into the suffix itself,
+    which is what a repeating pattern needs). Duplicates are dropped; at most ``max_matches``.
+    Example: seq = [5 6 7 8 5 6], n = 2 -> [5 6] at 0 -> continuation [7 8 5 6][:length].
+    """
+    L, found, seen = len(seq), [], set()
+    for n in range(min(max_ngram, L - 1), max(min_ngram, 1) - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:L - 1], n)  # [L-n, n]
+        hits = np.flatnonzero((windows == seq[L - n:]).all(axis=1))[::-1]  # most recent first
+        for start in hits:
+            cont = seq[start + n:start + n + length].tolist()
+            key = tuple(cont)
+            if cont and key not in seen:
+                seen.add(key)
+                found.append(cont)
+                if len(found) >= max_matches:
+                    return found
+    return found
+
+
+class PLDDrafter:
+    """Prompt lookup over each slot's own history (see the module docstring).
+
+    max_ngram / min_ngram: n-gram sizes tried, longest first (3..1 by default).
+    max_matches: distinct continuations merged into the tree (1 = the original chain).
+    draft_len: tokens per continuation (default: the budget's max_depth).
+    Scores: the i-th continuation (0-based) scores 1/(i+1) on all its nodes, so the tree keeps
+    the most recent, longest-n-gram matches first when the budget is tight.
+    """
+
+    feature_spec = NO_FEATURES
+
+    def __init__(self, target=None, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
+                 draft_len: int | None = None):
+        if not 1 <= int(min_ngram) <= int(max_ngram):
+            raise ValueError(f"pld needs 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
+        if int(max_matches) < 1 or (draft_len is not None and int(draft_len) < 1):
+            raise ValueError("pld max_matches and draft_len must be >= 1")
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+        self.max_matches = int(max_matches)
+        self.draft_len = None if draft_len is None else int(draft_len)
+        self.history = TokenHistory()
+
+    # -- protocol ----------------------------------------------------------------------------
+    def reset(self, max_batch: int, max_len: int) -> None:
+        self.history.reset(max_len)
+
+    def prefill(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
+        self.history.set(slot, token_ids)
+
+    def commit(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
+        self.history.extend(slot, token_ids)
+
+    def release(self, slot: int) -> None:
+        self.history.release(slot)
+
+    def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
+        tries = [self.trie(int(s), int(r), budget) for s, r in zip(slots.tolist(), roots.tolist())]
+        return pack_trees(tries, budget, roots.device)
+
+    # -- the method --------------------------------------------------------------------------
+    def candidates(self, slot: int, root: int, length: int) -> list[list[int]]:
+        """Continuations after ``root`` for this slot, best first."""
+        seq = np.append(self.history.get(slot), np.int64(root))  # [L] history + pending root
+        return find_continuations(seq, self.max_ngram, self.min_ngram, length, self.max_matches)
+
+    def trie(self, slot: int, root: int, budget: TreeBudget, source: str = "pld") -> CandidateTrie:
+        length = min(self.draft_len or budget.max_depth, budget.max_depth)
+        trie = CandidateTrie(root)
+        for rank, cont in enumerate(self.candidates(slot, root, length)):
+            trie.add(cont, 1.0 / (rank + 1), source=source, max_depth=budget.max_depth,
+                     max_children=budget.topk)
+        return trie
+
+
+def make_drafter(target=None, **opts) -> PLDDrafter:
+    """``pld`` for the drafter registry; opts: max_ngram, min_ngram, max_matches, draft_len."""
+    return PLDDrafter(target, **opts)

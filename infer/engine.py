@@ -1,0 +1,288 @@
+"""The speculative decoding engine: schedule -> draft -> verify -> commit, with continuous batching.
+
+Each call of ``step`` does, for the requests it holds (each in its own KV slot):
+  schedule  admit waiting requests into free slots; run (a chunk of) prefill for new ones and
+            sample their first token (the *root*: known, not yet run through the target)
+  draft     ``drafter.propose`` a tree under each request's TreeBudget (max_nodes 0: root only)
+  verify    one target forward over all trees (padded to the widest), then the acceptance rule:
+            ``greedy_accept`` at temperature 0, ``stochastic_accept`` otherwise
+  commit    keep the accepted path's K/V in place, hand the committed tokens and their features
+            to the drafter, emit accepted drafts + the bonus token, apply the stop rules
+The maths lives elsewhere (runner, verify.py, sampling.py, heads.tree); this file only routes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.heads.tree import DraftTree, TreeBudget, default_budget
+from specdec.infer import sampling, verify
+from specdec.infer.cache import CacheFullError, SlotAllocator
+from specdec.infer.requests import Request, RequestOutput, SamplingParams
+from specdec.infer.runner import TargetRunner
+
+PLAIN = TreeBudget(max_nodes=0, max_depth=0, topk=0)
+
+__all__ = ["Engine", "PLAIN", "RequestOutput", "SamplingParams", "StepStats"]
+
+
+@dataclass
+class StepStats:
+    """What the last ``step`` did (read by the server's controller)."""
+
+    batch_size: int = 0          # sequences verified (decode rows)
+    tokens_verified: int = 0     # valid tree nodes scored by the target, roots included
+    prefill_tokens: int = 0      # prompt tokens run this step
+    seconds: float = 0.0
+    accepted: dict = field(default_factory=dict)  # request id -> accepted draft tokens
+    budgets: dict = field(default_factory=dict)   # request id -> TreeBudget used
+
+
+class Engine:
+    """``Engine(target, drafter=None, max_batch, max_len, dtype, device, prefill_chunk)``.
+
+    prefill_chunk: at most this many prompt tokens are prefilled per step (None: whole prompts),
+    so a long new prompt does not stall the running sequences.
+    """
+
+    def __init__(self, target, drafter=None, max_batch: int = 8, max_len: int = 2048, dtype=None,
+                 device=None, prefill_chunk: int | None = None, impl: str = "auto"):
+        self.target, self.drafter = target, drafter
+        spec = drafter.feature_spec if drafter is not None else None
+        self.runner = TargetRunner(target, max_batch, max_len, dtype, device, feature_spec=spec, impl=impl)
+        self.device, self.max_len = self.runner.device, max_len
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.slots = SlotAllocator(max_batch)
+        self.eos_ids = set(target.eos_token_ids)
+        self.waiting: list[Request] = []
+        self.running: dict[str, Request] = {}
+        self.last_step = StepStats()
+        if drafter is not None:
+            drafter.reset(max_batch, max_len)
+            own = getattr(drafter, "default_budget", None)  # an attribute or a method
+            self.default_budget = (own() if callable(own) else own) or default_budget(self.device)
+        else:
+            self.default_budget = PLAIN
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id, prompt_ids, params: SamplingParams | None = None) -> None:
+        """Queue a request; it gets a KV slot at the next step with one free."""
+        request_id = str(request_id)
+        if request_id in self.running or any(r.id == request_id for r in self.waiting):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(prompt) >= self.max_len:
+            raise CacheFullError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no "
+                                 f"room under max_len={self.max_len}")
+        params = params or SamplingParams()
+        self.waiting.append(Request(request_id, prompt, params, self.target.tokenizer, self.device))
+
+    def abort(self, request_id) -> bool:
+        """Drop a request (waiting or running); True if it existed."""
+        request_id = str(request_id)
+        for r in self.waiting:
+            if r.id == request_id:
+                self.waiting.remove(r)
+                return True
+        if request_id in self.running:
+            self._release(self.running.pop(request_id))
+            return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def step(self, budget: TreeBudget | dict | None = None) -> list[RequestOutput]:
+        """One engine iteration; returns one output (a delta) per request that advanced."""
+        t0 = time.perf_counter()
+        stats = StepStats()
+        self._admit()
+        decoding = [r for r in self.running.values() if r.root is not None]
+        prefilling = [r for r in self.running.values() if r.root is None]
+        outputs = self._prefill(prefilling, stats) if prefilling else []
+        if decoding:
+            outputs += self._decode(sorted(decoding, key=lambda r: r.slot), budget, stats)
+        stats.seconds = time.perf_counter() - t0
+        self.last_step = stats
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.slots):
+            r = self.waiting.pop(0)
+            r.slot, r.t_start = self.slots.allocate(), time.perf_counter()
+            self.running[r.id] = r
+
+    def _prefill(self, reqs: list[Request], stats: StepStats) -> list[RequestOutput]:
+        """Prefill (a chunk of) each new prompt; a finished prefill samples the first token."""
+        chunks, left = [], self.prefill_chunk or sum(len(r.prompt) for r in reqs)
+        for r in reqs:
+            n = min(len(r.prompt) - r.prefilled, left)
+            if n <= 0:
+                break
+            chunks.append((r, r.prompt[r.prefilled:r.prefilled + n]))
+            left -= n
+        logits, feats = self.runner.prefill_batch([r.slot for r, _ in chunks], [c for _, c in chunks],
+                                                  [r.prefilled for r, _ in chunks])
+        outputs = []
+        for b, (r, chunk) in enumerate(chunks):
+            r.prefilled += len(chunk)
+            stats.prefill_tokens += len(chunk)
+            if self.drafter is not None:
+                r.prompt_features.append(feats[b])
+            if r.prefilled < len(r.prompt):
+                continue
+            if self.drafter is not None:
+                joined = {k: torch.cat([f[k] for f in r.prompt_features]) for k in r.prompt_features[0]}
+                self.drafter.prefill(r.slot, torch.tensor(r.prompt, device=self.device), joined)
+                r.prompt_features = []
+            r.kv_len = len(r.prompt)
+            r.root = self._first_token(r, logits[b])
+            outputs.append(self._emit(r, [r.root]))
+        return outputs
+
+    def _first_token(self, r: Request, logits: torch.Tensor) -> int:
+        if r.params.greedy:
+            return int(logits.argmax())
+        temperature, top_k, top_p = sampling.sampling_tensors([r.params], self.device)
+        probs = sampling.process_logits(logits[None], temperature, top_k, top_p)  # [1, V]
+        return int(sampling.sample(probs, r.uniforms(1)))
+
+    def _decode(self, reqs: list[Request], budget, stats: StepStats) -> list[RequestOutput]:
+        outputs, live = [], []
+        for r in reqs:  # a sequence whose root no longer fits in the cache ends here
+            if r.kv_len >= self.max_len:
+                outputs.append(self._emit(r, [], reason="length"))
+            else:
+                live.append(r)
+        if not live:
+            return outputs
+        budgets = [self._budget_for(r, budget) for r in live]
+        tree, sampled_q, widths = self._draft(live, budgets)
+        slots, base_lens = [r.slot for r in live], [r.kv_len for r in live]
+        logits, feats = self.runner.verify(slots, tree, base_lens)              # [B, N, V]
+        n_acc, path, bonus = self._accept(live, tree, logits, sampled_q, widths)
+        n_list, bonus_list = n_acc.tolist(), bonus.tolist()
+        if max(n_list) > 0:  # roots already sit at base_len: only accepted drafts move
+            self.runner.commit(slots, base_lens, path, n_acc)
+        stats.batch_size, stats.tokens_verified = len(live), int(tree.valid.sum())
+        for b, r in enumerate(live):
+            nodes = path[b, :n_list[b] + 1]                                      # [n+1] root first
+            committed = tree.tokens[b, nodes]
+            if self.drafter is not None:
+                self.drafter.commit(r.slot, committed, {k: v[b, nodes] for k, v in feats.items()})
+            r.kv_len += n_list[b] + 1
+            r.root = bonus_list[b]
+            r.accepted.append(n_list[b])
+            stats.accepted[r.id], stats.budgets[r.id] = n_list[b], budgets[b]
+            outputs.append(self._emit(r, committed[1:].tolist() + [r.root]))
+        return outputs
+
+    def _budget_for(self, r: Request, budget) -> TreeBudget:
+        chosen = budget.get(r.id) if isinstance(budget, dict) else budget
+        chosen = chosen or self.default_budget
+        if self.drafter is None or chosen.max_nodes == 0:
+            return PLAIN
+        room = self.max_len - r.kv_len - 1  # draft nodes that fit after the root
+        if room <= 0:
+            return PLAIN
+        if chosen.max_nodes > room:
+            chosen = TreeBudget(room, min(chosen.max_depth, room), chosen.topk)
+        return chosen
+
+    def _draft(self, reqs: list[Request], budgets: list[TreeBudget]):
+        """Propose per distinct budget, then pad all rows into one tree batch. -> (tree, whether
+        each row's draft tokens were sampled from draft_probs, each row's own width)."""
+        roots = torch.tensor([r.root for r in reqs], device=self.device)     # [B]
+        rows: list[tuple] = [None] * len(reqs)
+        groups: dict[TreeBudget, list[int]] = {}
+        for b, bud in enumerate(budgets):
+            groups.setdefault(bud, []).append(b)
+        for bud, members in groups.items():
+            if bud.max_nodes == 0:
+                for b in members:
+                    rows[b] = (roots[b:b + 1], torch.full((1,), -1, device=self.device),
+                               torch.ones(1, dtype=torch.bool, device=self.device), None)
+                continue
+            slots = torch.tensor([reqs[b].slot for b in members], device=self.device)
+            t = self.drafter.propose(slots, roots[members], bud)
+            for j, b in enumerate(members):
+                q = None if t.draft_probs is None else t.draft_probs[j]
+                rows[b] = (t.tokens[j].to(self.device), t.parents[j].to(self.device),
+                           t.valid[j].to(self.device), q)
+        return _pad_trees(rows), [row[3] is not None for row in rows], [row[0].shape[0] for row in rows]
+
+    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, sampled_q: list[bool],
+                widths: list[int]):
+        """Acceptance per kind of row: greedy, sampled with draft_probs, sampled point-mass.
+        -> n_accepted [B], path [B, N] (-1 padded), bonus [B]."""
+        B = len(reqs)
+        n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
+        if tree.num_nodes == 1 and all(r.params.greedy for r in reqs):  # plain greedy decoding
+            return n_acc, torch.zeros(B, 1, dtype=torch.long, device=self.device), logits[:, 0].argmax(-1)
+        bonus = torch.zeros(B, dtype=torch.long, device=self.device)
+        path = torch.full((B, tree.num_nodes), -1, dtype=torch.long, device=self.device)
+        kinds: dict[tuple, list[int]] = {}
+        for b, r in enumerate(reqs):
+            kinds.setdefault((r.params.greedy, sampled_q[b]), []).append(b)
+        for (greedy, has_q), members in kinds.items():
+            idx = torch.tensor(members, device=self.device)
+            sub = DraftTree(tokens=tree.tokens[idx], parents=tree.parents[idx], valid=tree.valid[idx],
+                            draft_probs=tree.draft_probs[idx] if has_q else None)
+            temperature, top_k, top_p = sampling.sampling_tensors([reqs[b].params for b in members], self.device)
+            uniforms = None
+            if not greedy:
+                # Each row draws as many uniforms as its own tree has nodes (not the padded
+                # width), so a seeded request samples the same tokens in any batch.
+                uniforms = torch.full((len(members), tree.num_nodes), 0.5, device=self.device)
+                for j, b in enumerate(members):
+                    uniforms[j, :widths[b]] = reqs[b].uniforms(widths[b])
+            res = verify.verify_tree(sub, logits[idx], temperature, top_k, top_p, uniforms=uniforms)
+            n_acc[idx], bonus[idx] = res.n_accepted, res.bonus
+            path[idx, :res.path.shape[1]] = res.path
+        return n_acc, path, bonus
+
+    # ------------------------------------------------------------------ outputs and stop rules
+    def _emit(self, r: Request, new_tokens: list[int], reason: str | None = None) -> RequestOutput:
+        out = r.append(new_tokens, self.eos_ids, reason)
+        if r.finished:
+            self.running.pop(r.id, None)
+            self._release(r)
+        return out
+
+    def _release(self, r: Request) -> None:
+        if r.slot is None:
+            return
+        if self.drafter is not None:
+            self.drafter.release(r.slot)
+        self.slots.release(r.slot)
+        r.slot = None
+
+
+def _pad_trees(rows: list[tuple]) -> DraftTree:
+    """Per-row (tokens [n], parents [n], valid [n], draft_probs [n, V] | None) -> one DraftTree
+    padded to the widest row; padding nodes are invalid children of the root."""
+    B, N = len(rows), max(row[0].shape[0] for row in rows)
+    dev = rows[0][0].device
+    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+    parents = torch.zeros(B, N, dtype=torch.long, device=dev)
+    valid = torch.zeros(B, N, dtype=torch.bool, device=dev)
+    qs = [row[3] for row in rows if row[3] is not None]
+    draft_probs = None
+    if qs:
+        draft_probs = torch.zeros(B, N, qs[0].shape[-1], dtype=qs[0].dtype, device=dev)
+    for b, (tok, par, val, q) in enumerate(rows):
+        n = tok.shape[0]
+        tokens[b, :n], parents[b, :n], valid[b, :n] = tok, par, val
+        if q is not None:
+            draft_probs[b, :n] = q
+    parents[:, 0] = -1
+    return DraftTree(tokens=tokens, parents=parents, valid=valid, draft_probs=draft_probs)
+

@@ -1,0 +1,203 @@
+"""Lean fused decoder for the Llama family: Llama, Mistral, Qwen2, Qwen3, Gemma.
+
+Plain eager PyTorch with no HF wrapper on the hot path: q/k/v and gate/up weights are
+concatenated once (one matmul each), attention is one SDPA call over the static cache with a
+boolean tree mask and ``enable_gqa``, and the cache is written in place (``StepAccess``). Every
+detail that differs inside the family is read from the HF modules themselves, so this file
+computes exactly what HF computes:
+
+  * RoPE: the HF rotary module's ``inv_freq`` and ``attention_scaling`` (default, linear,
+    llama3, yarn ... scaling all land there), tabulated per position like HF's forward;
+  * attention / MLP biases when the projections have them (Qwen2 q/k/v, ``attention_bias``);
+  * Qwen3's per-head q/k RMSNorm before RoPE; ``head_dim`` and ``scaling`` from the module;
+  * Gemma: embeddings times ``embed_scale``, RMSNorm as ``x * (1 + w)`` in float32, gelu-tanh
+    (the activation is the HF module's own ``act_fn``);
+  * sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``) via the mask;
+  * tied embeddings (the LM head is whatever ``lm_head.weight`` is).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import tree_attention_mask
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+# RoPE types whose frequencies change with the sequence length: left to the generic path.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the lean path cannot run ``model`` exactly, or None when it can."""
+    cfg = model.config
+    if cfg.model_type not in FAMILIES:
+        return f"model_type {cfg.model_type!r} is not one of {', '.join(FAMILIES)}"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        return f"rope_type {rope_type!r} depends on the sequence length"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(getattr(base, "rotary_emb", None), "inv_freq"):
+        return "no model.rotary_emb.inv_freq to read RoPE frequencies from"
+    layer = base.layers[0]
+    needed = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    missing = [n for n in needed if not _has_submodule(layer, n)]
+    return f"decoder layer lacks {missing}" if missing else None
+
+
+def _has_submodule(module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+class _Norm:
+    """RMSNorm as HF computes it: Llama ``w * x_normed.to(dtype)``, Gemma ``(x_normed * (1 + w)).to(dtype)``."""
+
+    def __init__(self, module, unit_offset: bool, dtype, device):
+        self.eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+        self.unit_offset = unit_offset
+        w = module.weight.detach()
+        self.weight = (1.0 + w.float()).to(device) if unit_offset else w.to(device=device, dtype=dtype)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * self.weight).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def _fuse(linears, dtype, device) -> tuple[Tensor, Tensor | None]:
+    """One weight [sum(out), in] (and bias) for several Linear layers sharing their input.
+
+    When no cast or move is needed the HF layers are re-pointed at views of the fused tensor,
+    so the target's weights are not held twice.
+    """
+    weight = torch.cat([lin.weight.detach() for lin in linears]).to(device=device, dtype=dtype)
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else
+                          torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=lin.weight.device)
+                          for lin in linears]).to(device=device, dtype=dtype)
+    if all(lin.weight.dtype == dtype and lin.weight.device == weight.device for lin in linears):
+        row = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = weight[row:row + rows]
+            row += rows
+    return weight, bias
+
+
+def _cast(t: Tensor | None, dtype, device) -> Tensor | None:
+    return None if t is None else t.detach().to(device=device, dtype=dtype)
+
+
+class _Layer:
+    def __init__(self, hf_layer, config, unit_offset: bool, dtype, device):
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.head_dim = attn.head_dim
+        self.n_heads = attn.q_proj.out_features // self.head_dim
+        self.n_kv = attn.k_proj.out_features // self.head_dim
+        self.scaling = attn.scaling
+        # Qwen2/3 store the window per layer (None on full layers); Mistral passes the config's.
+        self.window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+        self.qkv_w, self.qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
+        self.o_w, self.o_b = _cast(attn.o_proj.weight, dtype, device), _cast(attn.o_proj.bias, dtype, device)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = _Norm(q_norm, unit_offset, dtype, device) if q_norm is not None else None
+        self.k_norm = _Norm(k_norm, unit_offset, dtype, device) if k_norm is not None else None
+        self.ln1 = _Norm(hf_layer.input_layernorm, unit_offset, dtype, device)
+        self.ln2 = _Norm(hf_layer.post_attention_layernorm, unit_offset, dtype, device)
+        self.gate_up_w, self.gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
+        self.down_w, self.down_b = _cast(mlp.down_proj.weight, dtype, device), _cast(mlp.down_proj.bias, dtype, device)
+        self.act = mlp.act_fn
+        self.splits = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on x [B, N, heads, head_dim] with cos/sin [B, N, 1, head_dim] (HF's rotate_half form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanCausalLM:
+    """The fused forward over a static cache; see the package docstring for the interface."""
+
+    def __init__(self, model, dtype: torch.dtype, device):
+        cfg, base = model.config, model.model
+        self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
+        unit_offset = cfg.model_type == "gemma"
+        emb = base.embed_tokens
+        self.embed = _cast(emb.weight, dtype, device)                                # [V, H]
+        scale = getattr(emb, "embed_scale", None)  # Gemma: sqrt(hidden), applied in weight dtype
+        self.embed_scale = None if scale is None else torch.as_tensor(scale).to(device=device, dtype=dtype)
+        self.layers = [_Layer(layer, cfg, unit_offset, dtype, device) for layer in base.layers]
+        self.norm = _Norm(base.norm, unit_offset, dtype, device)
+        self.lm_head = _cast(model.get_output_embeddings().weight, dtype, device)  # [V, H]
+        rope = base.rotary_emb
+        self.inv_freq = rope.inv_freq.detach().float().to(device)                   # [head_dim/2]
+        self.rope_scale = float(getattr(rope, "attention_scaling", 1.0))
+        self.cos = self.sin = torch.empty(0, device=device)
+        self.kv_shapes = [(layer.n_kv, layer.head_dim) for layer in self.layers]
+        self.num_layers = len(self.layers)
+
+    def _rope_table(self, length: int) -> None:
+        """cos/sin [length, head_dim] exactly as HF's rotary forward computes them per position."""
+        if self.cos.shape[0] >= length:
+            return
+        length = max(length, 2 * self.cos.shape[0], 256)
+        pos = torch.arange(length, device=self.device).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.rope_scale).to(self.dtype)
+        self.sin = (emb.sin() * self.rope_scale).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor, access, tree_mask: Tensor,
+                aux_layers: tuple[int, ...] = (), logits_rows: Tensor | None = None):
+        bsz, n = tokens.shape
+        x = F.embedding(tokens, self.embed)                                  # [B, N, H]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        self._rope_table(int(positions.max()) + 1)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, N, 1, hd]
+        masks: dict[int | None, Tensor] = {}
+        keep = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                keep[i] = x
+            if layer.window not in masks:
+                masks[layer.window] = tree_attention_mask(access.base_lens, tree_mask, access.kv_len,
+                                                          positions=positions, window=layer.window)
+            x = self._layer(i, layer, x, cos, sin, access, masks[layer.window])
+        x = self.norm(x)                                                     # [B, N, H] post-norm
+        keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output
+        rows = x if logits_rows is None else x[torch.arange(bsz, device=x.device), logits_rows]
+        logits = F.linear(rows, self.lm_head)                                # [B, N, V] or [B, V]
+        aux = torch.cat([keep[i] for i in aux_layers], dim=-1) if aux_layers else None
+        return logits, x, aux
+
+    def _layer(self, i: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, access, mask: Tensor) -> Tensor:
+        bsz, n, _ = x.shape
+        q, k, v = F.linear(layer.ln1(x), layer.qkv_w, layer.qkv_b).split(layer.splits, dim=-1)
+        q = q.view(bsz, n, layer.n_heads, layer.head_dim)
+        k = k.view(bsz, n, layer.n_kv, layer.head_dim)
+        v = v.view(bsz, n, layer.n_kv, layer.head_dim)
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        access.write(i, k, v)
+        keys, values = access.read(i)                                        # [B, kv, L, hd]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             scale=layer.scaling, enable_gqa=layer.n_kv != layer.n_heads)
+        out = out.transpose(1, 2).reshape(bsz, n, layer.n_heads * layer.head_dim)
+        x = x + F.linear(out, layer.o_w, layer.o_b)
+        gate, up = F.linear(layer.ln2(x), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+        return x + F.linear(layer.act(gate) * up, layer.down_w, layer.down_b)

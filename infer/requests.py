@@ -1,0 +1,149 @@
+"""Request-level types of the runtime: sampling parameters, outputs, and one request's state with
+its stop rules (eos / stop token ids, max_tokens, stop strings) and incremental detokenisation."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded (the names follow vLLM's).
+
+    temperature 0 -> greedy (lossless w.r.t. the target's argmax); otherwise the target's
+    distribution after temperature / top-k / top-p is reproduced exactly by stochastic acceptance.
+    stop: strings that end the output (the text is cut before the first one).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestOutput:
+    """One request's state after a step (``new_*``: what this step added) or at the end."""
+
+    request_id: str
+    text: str                          # generated text so far (cut at a stop string)
+    token_ids: list[int]               # generated tokens so far (eos included when hit)
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""                 # text delta since the previous output (for streaming)
+    finished: bool = False
+    finish_reason: str | None = None   # "stop" (eos / stop string / stop token), "length"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)  # steps, accepted_per_step, tau, new_tokens, seconds, tokens_per_s
+
+
+class Request:
+    """Engine-side state of one sequence. ``root`` is the pending token: sampled by the target,
+    emitted, but not yet run through it (its K/V is written by the next verification)."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, tokenizer, device):
+        self.id, self.prompt, self.params, self.tokenizer = request_id, prompt, params, tokenizer
+        self.slot: int | None = None
+        self.prefilled = 0                 # prompt tokens whose K/V are in the cache
+        self.prompt_features: list[dict] = []  # per prefill chunk, until the drafter gets them
+        self.kv_len = 0                    # committed tokens in the cache
+        self.root: int | None = None
+        self.out: list[int] = []
+        self.accepted: list[int] = []      # accepted draft tokens per decode step
+        self.finished, self.finish_reason = False, None
+        self.stop_at: int | None = None    # text index where a stop string begins
+        self.sent_text = ""
+        self.t_start = self.t_end = None
+        self.generator = None
+        if not params.greedy:  # per-request stream: a fixed seed reproduces the output in any batch
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """n uniforms [n] for one stochastic verification, drawn up front from this request's stream."""
+        return torch.rand(n, generator=self.generator, device=self.generator.device)
+
+    # ------------------------------------------------------------------ stop rules
+    def append(self, new_tokens: list[int], eos_ids: set[int], reason: str | None = None) -> RequestOutput:
+        """Add tokens one by one until a stop rule fires; nothing after eos is ever kept."""
+        p, added = self.params, []
+        if reason is not None:
+            self._finish(reason)
+        for tok in new_tokens:
+            if self.finished:
+                break
+            self.out.append(tok)
+            added.append(tok)
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids):
+                self._finish("stop")
+            elif p.stop and self._find_stop():
+                self._finish("stop")
+            elif len(self.out) >= p.max_tokens:
+                self._finish("length")
+        text = self._visible_text()
+        keep = 0  # text only grows, but be safe if a decoder rewrote its tail
+        while keep < min(len(text), len(self.sent_text)) and text[keep] == self.sent_text[keep]:
+            keep += 1
+        new_text, self.sent_text = text[keep:], text
+        return RequestOutput(self.id, text, list(self.out), added, new_text, self.finished,
+                             self.finish_reason, self.prompt, self.stats() if self.finished else {})
+
+    def _finish(self, reason: str) -> None:
+        self.finished, self.finish_reason, self.t_end = True, reason, time.perf_counter()
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.out, skip_special_tokens=True)
+
+    def _find_stop(self) -> bool:
+        text = self._decode()
+        hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.stop_at = min(hits)
+        return bool(hits)
+
+    def _visible_text(self) -> str:
+        text = self._decode()
+        if self.stop_at is not None:
+            return text[:self.stop_at]
+        if self.finished:
+            return text
+        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
+        hold = 0  # a tail that could still grow into a stop string is not shown yet
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[:len(text) - hold]
+
+    def stats(self) -> dict:
+        end = self.t_end or time.perf_counter()
+        seconds = max(end - (self.t_start or end), 1e-9)
+        steps = len(self.accepted)
+        tau = sum(a + 1 for a in self.accepted) / steps if steps else 1.0
+        return {"steps": steps, "accepted_per_step": list(self.accepted), "tau": tau,
+                "new_tokens": len(self.out), "seconds": seconds, "tokens_per_s": len(self.out) / seconds}

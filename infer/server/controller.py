@@ -1,0 +1,345 @@
+"""Batch-aware adaptive speculation: pick each step's tree budget per request.
+
+The controller sees the running requests before every engine step and returns a
+``TreeBudget`` per request (``max_nodes == 0`` = plain decoding for that request);
+after the step it reads ``Engine.last_step`` to update the cost model and the
+acceptance estimates (``costmodel.py``). Policies (``--spec-policy``):
+
+* ``goodput`` (default): maximise the batch's expected tokens per second,
+      goodput = Σ_r E_r(level_r) / t(B, Σ_r (1 + nodes(level_r)))
+  over per-request levels of a small budget grid, with hysteresis (a new plan
+  must beat the current one by ``margin`` for ``patience`` steps in a row).
+* ``always``: one fixed budget for everyone (classic speculative decoding).
+* ``threshold``: the fixed budget while the batch is smaller than
+  ``--spec-disable-batch-size``, plain above (vLLM / LMDeploy style).
+* ``thompson``: a Thompson-sampling bandit over uniform budgets, rewarded by the
+  measured goodput of the step, one bandit per batch-size bucket (EESD style).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec.heads.tree import TreeBudget
+
+from .costmodel import AcceptanceTracker, ConfidenceBlend, CostModel
+
+POLICIES = ("goodput", "always", "threshold", "thompson")
+
+
+def budget_grid(nodes=(0, 2, 4, 8, 16, 32), max_depth: int = 6, topk: int = 4) -> list[TreeBudget]:
+    """Budget levels, cheapest first: n draft nodes spread over depth min(n, max_depth).
+
+    ``(0, 2, 8)`` with max_depth 6, topk 4 -> nodes/depth/topk (0,0,1) (2,2,1) (8,6,2).
+    """
+    levels = []
+    for n in sorted(set(int(x) for x in nodes)):
+        if n < 0:
+            raise ValueError(f"speculation budget {n} must be >= 0")
+        depth = min(n, max_depth)
+        width = 1 if n == 0 else min(topk, math.ceil(n / depth))
+        levels.append(TreeBudget(max_nodes=n, max_depth=depth, topk=width))
+    if levels[0].max_nodes != 0:  # plain decoding is always an option
+        levels.insert(0, TreeBudget(max_nodes=0, max_depth=0, topk=1))
+    return levels
+
+
+@dataclass
+class StepObservation:
+    """What one engine step tells the controller (read from ``Engine.last_step``)."""
+
+    batch_size: int  # sequences in the verification forward
+    tokens: int  # tokens verified in total (roots + draft nodes)
+    seconds: float  # wall time of the whole step
+    accepted: dict = field(default_factory=dict)  # request id -> accepted draft tokens
+    drafted: dict = field(default_factory=dict)  # request id -> draft depth of the budget used
+    prefill_tokens: int = 0  # prompt tokens prefilled in the same step (they cost time too)
+    groups: int = 0  # distinct non-plain budgets (one drafter call each)
+    confidence: dict = field(default_factory=dict)  # request id -> Σ draft tree scores (ConfidenceTap)
+
+    @property
+    def goodput(self) -> float:
+        """Tokens added per second: every decoding sequence adds its accepted drafts + 1."""
+        return (sum(self.accepted.values()) + len(self.accepted)) / max(self.seconds, 1e-6)
+
+
+class Policy:
+    """Chooses a level index (into the grid) per request id."""
+
+    name = "base"
+
+    def choose(self, ctl: "SpeculationController", rids: list) -> dict:
+        raise NotImplementedError
+
+    def observe(self, ctl: "SpeculationController", obs: StepObservation) -> None:
+        pass
+
+
+class AlwaysPolicy(Policy):
+    name = "always"
+
+    def __init__(self, level: int):
+        self.level = level
+
+    def choose(self, ctl, rids):
+        return {r: self.level for r in rids}
+
+
+class ThresholdPolicy(Policy):
+    name = "threshold"
+
+    def __init__(self, level: int, disable_batch_size: int):
+        self.level, self.disable_batch_size = level, disable_batch_size
+
+    def choose(self, ctl, rids):
+        level = self.level if len(rids) < self.disable_batch_size else 0
+        return {r: level for r in rids}
+
+
+class ThompsonPolicy(Policy):
+    """Gaussian Thompson sampling over uniform budget levels, per batch-size bucket.
+
+    Each arm keeps discounted sums of reward (goodput, tokens/s); a sample is
+    drawn from N(mean, var / n) and the best sample is played. Unplayed arms
+    are sampled optimistically so each is tried. Discounting keeps it tracking a
+    changing load; bucketing by log2(batch) makes it batch-aware.
+    """
+
+    name = "thompson"
+
+    def __init__(self, num_levels: int, discount: float = 0.98, seed: int | None = 0):
+        self.num_levels, self.discount = num_levels, discount
+        self.rng = random.Random(seed)
+        self.stats: dict[int, np.ndarray] = {}  # bucket -> [L, 3] (n, Σr, Σr²)
+        self._played: tuple[int, int] | None = None
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(batch, 1).bit_length() - 1  # 1 | 2-3 | 4-7 | 8-15 | ...
+
+    def sample_arm(self, bucket: int) -> int:
+        s = self.stats.setdefault(bucket, np.zeros((self.num_levels, 3)))
+        n, tot, sq = s[:, 0], s[:, 1], s[:, 2]
+        played = n > 0.5
+        if not played.all():  # try every arm once before trusting any estimate
+            return int(self.rng.choice(np.flatnonzero(~played).tolist()))
+        mean = tot / n
+        var = np.maximum(sq / n - mean ** 2, 0.0)
+        # Pooled variance floor: with one sample an arm's own variance is 0.
+        floor = max(float(np.mean(var)), 1e-4 * float(np.mean(mean ** 2)), 1e-12)
+        draws = [self.rng.gauss(mean[i], math.sqrt((var[i] + floor) / n[i])) for i in range(self.num_levels)]
+        return int(np.argmax(draws))
+
+    def choose(self, ctl, rids):
+        bucket = self.bucket(len(rids))
+        arm = self.sample_arm(bucket)
+        self._played = (bucket, arm)
+        return {r: arm for r in rids}
+
+    def reward(self, bucket: int, arm: int, value: float) -> None:
+        s = self.stats.setdefault(bucket, np.zeros((self.num_levels, 3)))
+        s *= self.discount
+        s[arm] += (1.0, value, value * value)
+
+    def observe(self, ctl, obs):
+        if self._played is not None and obs.accepted:
+            self.reward(*self._played, obs.goodput)
+        self._played = None
+
+
+class GoodputPolicy(Policy):
+    """argmax of predicted goodput over per-request levels, with hysteresis."""
+
+    name = "goodput"
+
+    def __init__(self, margin: float = 0.05, patience: int = 3, explore_every: int = 64):
+        self.margin, self.patience = margin, patience
+        self.explore_every = explore_every  # a plain-only plan never learns what speculation costs
+        self.current: dict = {}
+        self._streak = 0
+        self._plain_steps = 0
+
+    def choose(self, ctl, rids):
+        if not rids:
+            return {}
+        exp = ctl.expected_tokens(rids)  # [R, L]
+        best = best_plan(exp, ctl.nodes, lambda n, g: ctl.step_time(len(rids), n, g))
+        cand = dict(zip(rids, best))
+        # Requests that just joined take the new plan's level at once: nothing to flap from.
+        cur = {r: self.current.get(r, cand[r]) for r in rids}
+        g_cur = ctl.predicted_goodput(rids, [cur[r] for r in rids], exp)
+        g_new = ctl.predicted_goodput(rids, best, exp)
+        self._streak = self._streak + 1 if g_new > g_cur * (1.0 + self.margin) else 0
+        if self._streak >= self.patience:
+            cur, self._streak = cand, 0
+        self.current = cur
+        if any(cur.values()) or len(ctl.nodes) < 2:
+            self._plain_steps = 0
+            return cur
+        self._plain_steps += 1
+        if self.explore_every and self._plain_steps >= self.explore_every:
+            self._plain_steps = 0  # one cheap speculative step to refresh the estimates
+            return {r: 1 for r in rids}
+        return cur
+
+
+def best_plan(expected: np.ndarray, nodes: list[int], step_time) -> list[int]:
+    """Per-request levels maximising Σ expected tokens / step_time(total tokens, draft groups).
+
+    expected [R, L] tokens per step of request r at level l; nodes [L] draft
+    nodes per level (tokens verified = 1 + nodes); draft groups = distinct
+    non-plain levels in use (one drafter call each). Candidates: every uniform
+    plan, and the plans met by a greedy walk that starts everyone plain and
+    repeatedly applies the upgrade with the best marginal tokens per extra
+    verified token. The greedy walk is exact when each request's E(nodes) is
+    concave and the step time depends on total tokens only.
+    """
+    R, L = expected.shape
+    count = [0] * L  # requests per level, for the number of draft groups
+    count[0] = R
+    groups = lambda: sum(1 for l in range(1, L) if count[l] and nodes[l] > 0)  # noqa: E731
+    candidates = []
+    for l in range(L):  # uniform plans (one drafter call at most)
+        candidates.append((float(expected[:, l].sum()) / step_time(R * (1 + nodes[l]), int(nodes[l] > 0)), [l] * R))
+    level = [0] * R
+    total_e = float(expected[:, 0].sum())
+    total_n = R * (1 + nodes[0])
+
+    def upgrade(r):  # best-ratio move from r's current level, as a heap entry
+        l0 = level[r]
+        moves = [((expected[r, l] - expected[r, l0]) / (nodes[l] - nodes[l0]), l)
+                 for l in range(l0 + 1, L) if nodes[l] > nodes[l0]]
+        if not moves:
+            return None
+        ratio, l = max(moves)
+        return (-ratio, r, l0, l) if ratio > 0 else None
+
+    heap = [e for e in (upgrade(r) for r in range(R)) if e]
+    heapq.heapify(heap)
+    while heap:
+        _, r, l0, l = heapq.heappop(heap)
+        if level[r] != l0:
+            continue
+        total_e += expected[r, l] - expected[r, l0]
+        total_n += nodes[l] - nodes[l0]
+        level[r] = l
+        count[l0] -= 1
+        count[l] += 1
+        candidates.append((total_e / step_time(total_n, groups()), list(level)))
+        nxt = upgrade(r)
+        if nxt:
+            heapq.heappush(heap, nxt)
+    return max(candidates, key=lambda c: c[0])[1]
+
+
+class SpeculationController:
+    """Cost model + acceptance tracker + a policy; one per server."""
+
+    def __init__(self, policy: Policy, grid: list[TreeBudget], cost: CostModel | None = None,
+                 acceptance_prior: float = 0.6):
+        self.policy, self.grid = policy, grid
+        self.nodes = [b.max_nodes for b in grid]
+        self.depths = [b.max_depth for b in grid]
+        self.cost = cost or CostModel()
+        self.acceptance = AcceptanceTracker(max(max(self.depths), 1), len(grid), prior=acceptance_prior)
+        self.confidence = ConfidenceBlend()
+        self.last_plan: dict = {}  # request id -> level index of the step in flight
+        self.steps = 0
+
+    def expected_tokens(self, rids) -> np.ndarray:  # [R, L]
+        exp = self.acceptance.expected_tokens(rids, self.depths)
+        for i, rid in enumerate(rids):
+            exp[i] = self.confidence.adjust(rid, exp[i])
+        return exp
+
+    def step_time(self, batch: int, tokens: int, groups: int) -> float:
+        return self.cost.predict(batch, tokens, 0, groups)
+
+    def predicted_goodput(self, rids, levels, exp=None) -> float:
+        exp = self.expected_tokens(rids) if exp is None else exp
+        tokens = sum(1 + self.nodes[l] for l in levels)
+        groups = len({l for l in levels if self.nodes[l] > 0})
+        gain = sum(exp[i, l] for i, l in enumerate(levels))
+        return gain / self.step_time(len(rids), tokens, groups)
+
+    def plan(self, rids: list) -> dict:
+        """request id -> TreeBudget for the next step (every id gets one)."""
+        levels = self.policy.choose(self, list(rids)) if rids else {}
+        self.last_plan = levels
+        return {r: self.grid[levels[r]] for r in rids}
+
+    def observe(self, obs: StepObservation) -> None:
+        """Feed back what the step measured (call once per step, after ``plan``)."""
+        self.steps += 1
+        self.cost.observe(obs.batch_size, obs.tokens, obs.seconds, obs.prefill_tokens, obs.groups)
+        for rid, acc in obs.accepted.items():
+            level = self.last_plan.get(rid, 0)
+            if self.nodes[level] == 0:
+                continue  # a plain step says nothing about acceptance
+            hist = self.acceptance.expected_tokens([rid], [self.depths[level]])[0, 0] - 1.0
+            self.confidence.observe(rid, level, acc, hist, obs.confidence.get(rid))
+            self.acceptance.observe(rid, level, obs.drafted.get(rid, self.depths[level]), acc)
+        self.policy.observe(self, obs)
+
+    def release(self, rid) -> None:
+        self.acceptance.forget(rid)
+        self.confidence.forget(rid)
+        self.last_plan.pop(rid, None)
+        if isinstance(self.policy, GoodputPolicy):
+            self.policy.current.pop(rid, None)
+
+
+class ConfidenceTap:
+    """Wraps a drafter to record Σ of each proposed tree's non-root scores per slot.
+
+    The engine uses it as the drafter (every other attribute is the wrapped
+    drafter's); the scheduler collects the sums after each step for the
+    controller's ``ConfidenceBlend``. Drafters without scores record nothing.
+    """
+
+    def __init__(self, drafter):
+        self._inner = drafter
+        self._by_slot: dict[int, float] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def propose(self, slots, roots, budget):
+        tree = self._inner.propose(slots, roots, budget)
+        if tree.scores is not None:
+            conf = (tree.scores.float() * tree.valid)[:, 1:].clamp(0, 1).sum(1)  # [B] expected accepted drafts
+            self._by_slot.update(zip(slots.tolist(), conf.tolist()))
+        return tree
+
+    def take(self) -> dict[int, float]:
+        """slot -> Σ scores of the trees proposed since the last call."""
+        out, self._by_slot = self._by_slot, {}
+        return out
+
+
+def make_controller(policy: str = "goodput", grid: list[TreeBudget] | None = None,
+                    cost: CostModel | None = None, fixed_nodes: int | None = None,
+                    disable_batch_size: int = 8, seed: int | None = 0, **goodput_opts) -> SpeculationController:
+    """Build a controller by policy name; ``fixed_nodes`` picks the budget of always/threshold."""
+    grid = grid or budget_grid()
+    if policy not in POLICIES:
+        raise ValueError(f"unknown speculation policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    nodes = [b.max_nodes for b in grid]
+    if fixed_nodes is None:
+        fixed = len(grid) - 1
+    else:  # the grid level closest to the asked budget
+        fixed = min(range(len(grid)), key=lambda i: abs(nodes[i] - fixed_nodes))
+    pol: Policy
+    if policy == "always":
+        pol = AlwaysPolicy(fixed)
+    elif policy == "threshold":
+        pol = ThresholdPolicy(fixed, disable_batch_size)
+    elif policy == "thompson":
+        pol = ThompsonPolicy(len(grid), seed=seed)
+    else:
+        pol = GoodputPolicy(**goodput_opts)
+    return SpeculationController(pol, grid, cost)

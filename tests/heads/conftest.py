@@ -1,0 +1,115 @@
+"""Shared pieces of the draft-head tests (medusa, hydra, mlp_speculator, draft_lm, redrafter):
+capture-format batches from the tiny target, a short training loop, a DraftTree budget check, and
+a greedy speculative-decoding loop that drives a Drafter through the protocol the way the engine
+does (prefill -> propose -> verify with the target -> commit the accepted path)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+def features(target, seq: torch.Tensor, topk: int = 0) -> dict[str, torch.Tensor]:
+    """The capture format for seq [B, T]: hidden [B, T, H] (post-norm) and optional top-k."""
+    with torch.no_grad():
+        out = target.model(seq, output_hidden_states=True)
+    f = {"hidden": out.hidden_states[-1]}
+    if topk:
+        f["topk_values"], f["topk_indices"] = out.logits.topk(topk, dim=-1)
+    return f
+
+
+def make_batch(target, seq: torch.Tensor, loss_mask=None, topk: int = 0, hidden: bool = True):
+    ones = torch.ones_like(seq, dtype=torch.bool)
+    batch = {"input_ids": seq, "attention_mask": ones,
+             "loss_mask": ones if loss_mask is None else loss_mask, **features(target, seq, topk)}
+    if not hidden:
+        del batch["hidden"]
+    return batch
+
+
+def reply_mask(seq: torch.Tensor, prompt_len: int = 8) -> torch.Tensor:
+    """loss_mask of a greedy_seq: the prompt has no loss, the target's own reply has."""
+    mask = torch.ones_like(seq, dtype=torch.bool)
+    mask[:, :prompt_len] = False
+    return mask
+
+
+def train(head, batch, steps: int, lr: float = 1e-2):
+    """Adam on the head's trainable parameters; returns (head in eval mode, losses)."""
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    head.train()
+    for _ in range(steps):
+        loss, metrics = head.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(metrics["loss"])
+    return head.eval(), losses
+
+
+def check_tree(tree, budget, roots: torch.Tensor, vocab_size: int) -> None:
+    """The DraftTree contract plus the budget: <= max_nodes draft nodes, <= max_depth levels,
+    <= topk children per node, roots first, scores (if any) cumulative probabilities."""
+    tree.validate(vocab_size=vocab_size)
+    assert tree.tokens[:, 0].tolist() == roots.tolist()
+    depth, _ = tree.masks()
+    for b in range(tree.batch_size):
+        v = tree.valid[b]
+        assert int(v.sum()) - 1 <= budget.max_nodes
+        assert int(depth[b][v].max()) <= budget.max_depth
+        kids = torch.bincount(tree.parents[b][v][1:], minlength=tree.num_nodes)
+        assert int(kids.max()) <= budget.topk
+    if tree.scores is not None:
+        s = tree.scores[tree.valid]
+        assert (s > 0).all() and (s <= 1 + 1e-6).all()
+        par = tree.parents.clamp(min=0)
+        child, parent = tree.scores[:, 1:], tree.scores.gather(1, par)[:, 1:]
+        assert (child <= parent + 1e-6)[tree.valid[:, 1:]].all()   # a path's probability shrinks
+
+
+@torch.no_grad()
+def speculate(target, drafter, prompt: torch.Tensor, n_new: int, budget, slot: int = 1):
+    """Greedy speculative decoding of one sequence with `drafter`, verified by the target
+    (no cache: every check is a fresh forward). -> (generated tokens, accepted drafts per step)."""
+    model = target.model
+    drafter.reset(4, 256)
+    ids = prompt.tolist()
+    out = model(torch.tensor([ids]), output_hidden_states=True)
+    drafter.prefill(slot, prompt, {"hidden": out.hidden_states[-1][0]})
+    root = int(out.logits[0, -1].argmax())
+    gen, accepted = [root], []
+    while len(gen) < n_new:
+        tree = drafter.propose(torch.tensor([slot]), torch.tensor([root]), budget)
+        check_tree(tree, budget, torch.tensor([root]), target.vocab_size)
+        node, path = 0, [root]
+        while True:   # walk down the tree while the target's greedy token is a child
+            nxt = int(model(torch.tensor([ids + path])).logits[0, -1].argmax())
+            kids = ((tree.parents[0] == node) & tree.valid[0] & (tree.tokens[0] == nxt)).nonzero()
+            if kids.numel() == 0:
+                break
+            node = int(kids[0])
+            path.append(nxt)
+        hs = model(torch.tensor([ids + path]), output_hidden_states=True).hidden_states[-1]
+        drafter.commit(slot, torch.tensor(path), {"hidden": hs[0, len(ids):]})
+        ids += path
+        gen += path[1:] + [nxt]
+        accepted.append(len(path) - 1)
+        root = nxt
+    return gen[:n_new], accepted
+
+
+@pytest.fixture
+def kit():
+    return SimpleNamespace(features=features, batch=make_batch, train=train, reply_mask=reply_mask,
+                           check_tree=check_tree, speculate=speculate)
+
+
+@pytest.fixture(scope="session")
+def greedy_seq(tiny_target):
+    """A sequence the tiny target generates greedily: [1, 48], its own continuation."""
+    prompt = torch.tensor([[72, 101, 108, 108, 111, 44, 32, 119]])
+    return tiny_target.model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                      max_new_tokens=40, do_sample=False)

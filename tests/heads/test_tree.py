@@ -1,0 +1,160 @@
+"""Tree utilities: masks from parents, static trees from choice lists, EAGLE-2 expansion."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.heads.tree import (CPU_TREE_BUDGET, GPU_TREE_BUDGET, DraftTree, TreeBudget,
+                                expand_dynamic_tree, num_dynamic_candidates, static_tree,
+                                tree_masks)
+
+
+def test_tree_masks_hand_made_tree():
+    #        0
+    #      /   \
+    #     1     2
+    #     |
+    #     3
+    #    / \
+    #   4   5
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 3]])
+    depth, mask = tree_masks(parents)
+    assert depth.tolist() == [[0, 1, 1, 2, 3, 3]]
+    expected = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 1, 0],
+        [1, 1, 0, 1, 0, 1],
+    ]
+    assert mask[0].int().tolist() == expected
+
+
+def test_tree_masks_batch_rows_are_independent():
+    parents = torch.tensor([[-1, 0, 1, 2], [-1, 0, 0, 0]])
+    depth, mask = tree_masks(parents)
+    assert depth.tolist() == [[0, 1, 2, 3], [0, 1, 1, 1]]
+    assert mask[0].sum().item() == 1 + 2 + 3 + 4
+    assert mask[1].sum().item() == 1 + 2 + 2 + 2
+
+
+def test_static_tree_from_choices():
+    choices = [(0,), (0, 0), (1,), (0, 1), (0, 0, 0), (2,)]
+    t = static_tree(choices)
+    assert t.choices == [(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0)]
+    assert t.parents.tolist() == [-1, 0, 0, 0, 1, 1, 4]
+    assert t.depth.tolist() == [0, 1, 1, 1, 2, 2, 3]
+    assert t.rank.tolist() == [0, 0, 1, 2, 0, 1, 0]
+    # Fill from per-depth top-k lists: depth d, rank r -> token 100*d + r.
+    topk = torch.tensor([[[100 * d + r for r in range(3)] for d in range(1, 4)]])
+    probs = torch.tensor([[[0.5, 0.3, 0.2]] * 3])
+    tree = t.fill(torch.tensor([7]), topk, probs)
+    tree.validate(vocab_size=1000)
+    assert tree.tokens.tolist() == [[7, 100, 101, 102, 200, 201, 300]]
+    assert torch.allclose(tree.scores[0], torch.tensor([1, .5, .3, .2, .25, .15, .125]))
+
+
+def test_static_tree_budget_and_errors():
+    choices = [(0,), (0, 0), (1,), (0, 1), (0, 0, 0)]
+    assert static_tree(choices, max_nodes=3).choices == [(0,), (1,), (0, 0)]
+    assert static_tree(choices, max_depth=1).choices == [(0,), (1,)]
+    with pytest.raises(ValueError, match=r"\(0, 1\) has no parent \(0,\)"):
+        static_tree([(1,), (0, 1)])
+    with pytest.raises(ValueError, match="top-3 lists"):
+        static_tree([(0,), (2,)]).fill(torch.tensor([1]), torch.zeros(1, 1, 2, dtype=torch.long))
+
+
+def test_budget_constants():
+    for b in (CPU_TREE_BUDGET, GPU_TREE_BUDGET):
+        assert num_dynamic_candidates(b) > b.max_nodes and b.max_depth >= 6
+    assert CPU_TREE_BUDGET.max_nodes < GPU_TREE_BUDGET.max_nodes
+    with pytest.raises(ValueError):
+        TreeBudget(max_nodes=4, max_depth=0, topk=2)
+
+
+def _table(V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(V, V, generator=g) * 2).log_softmax(-1)  # next-token log-probs by token
+
+
+def _eagle2_reference(table, root, budget):
+    """EAGLE-2 written path by path: expand the top-k children of the k best new nodes per
+    depth, then keep the best max_nodes of every candidate (by product of probabilities)."""
+    k = budget.topk
+    cands = []                    # (path, log score) in creation order
+    frontier = [((), 0.0)]
+    for _ in range(budget.max_depth):
+        new = []
+        for path, score in frontier:
+            last = path[-1] if path else root
+            lp, ids = table[last].topk(k)
+            new += [(path + (int(t),), score + float(l)) for l, t in zip(lp, ids)]
+        cands += new
+        frontier = sorted(new, key=lambda c: -c[1])[:k]
+    kept = sorted(cands, key=lambda c: -c[1])[:budget.max_nodes]
+    return {path for path, _ in kept}
+
+
+def _paths(tree: DraftTree, b: int) -> set[tuple[int, ...]]:
+    out = set()
+    for i in range(1, tree.num_nodes):
+        path, j = [], i
+        while j > 0:
+            path.append(int(tree.tokens[b, j]))
+            j = int(tree.parents[b, j])
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("budget", [TreeBudget(10, 4, 3), TreeBudget(24, 6, 8), TreeBudget(5, 1, 8)])
+def test_dynamic_tree_matches_eagle2(budget):
+    V = 40
+    table = _table(V, seed=budget.max_nodes)
+    calls = []
+
+    def step(frontier):
+        calls.append(frontier.tokens.shape)
+        return table[frontier.tokens]                                  # [B, F, V]
+
+    roots = torch.tensor([3, 17])
+    tree = expand_dynamic_tree(step, roots, budget)
+    tree.validate(vocab_size=V)
+    assert len(calls) == budget.max_depth
+    assert tree.num_nodes == budget.max_nodes + 1 and tree.valid.all()
+    assert tree.tokens[:, 0].tolist() == roots.tolist()
+    assert (tree.parents[:, 1:] < torch.arange(1, tree.num_nodes)).all()      # topological
+    depth, _ = tree.masks()
+    for b in range(2):
+        for i in range(1, tree.num_nodes):                                    # scores = path products
+            p = int(tree.parents[b, i])
+            edge = table[int(tree.tokens[b, p]), int(tree.tokens[b, i])].exp()
+            assert math.isclose(float(tree.scores[b, i]), float(tree.scores[b, p] * edge), rel_tol=1e-4)
+        assert _paths(tree, b) == _eagle2_reference(table, int(roots[b]), budget)
+        assert int(depth[b].max()) <= budget.max_depth
+
+
+def test_dynamic_tree_follows_a_confident_chain_and_maps_tokens():
+    V = 12
+    table = torch.full((V, V), -8.0)
+    for t in range(V):
+        table[t, (t + 1) % V] = 0.0                                     # "always the next id"
+    table = table.log_softmax(-1)
+    token_map = torch.arange(V) + 100                                   # draft id -> target id
+    # The step sees target ids; undo the map to index the table.
+    tree = expand_dynamic_tree(lambda f: table[f.tokens % 100], torch.tensor([105]),
+                               TreeBudget(max_nodes=4, max_depth=4, topk=2), token_map=token_map)
+    assert tree.top_path(0) == [105, 106, 107, 108, 109]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2, 3]]
+
+
+def test_validate_rejects_bad_trees():
+    ok = dict(tokens=torch.tensor([[1, 2, 3]]), valid=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not an earlier node"):
+        DraftTree(parents=torch.tensor([[-1, 2, 0]]), **ok).validate()
+    with pytest.raises(ValueError, match="root"):
+        DraftTree(parents=torch.tensor([[0, 0, 0]]), **ok).validate()
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        DraftTree(parents=torch.tensor([[-1, 0, 0]]), **ok).validate(vocab_size=3)

@@ -1,0 +1,113 @@
+"""specdec-bench: Spec-Bench's method, its inputs, and the three report files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.infer.bench import cli, specbench
+from specdec.infer.bench.specbench import BenchError, Turn
+
+FIELDS = {"tau", "tokens_per_s", "speedup", "speedup_vs_hf", "identical_rate", "n_questions",
+          "new_tokens", "accept_length_hist", "accept_rate_by_position"}
+
+
+def write_questions(path, questions) -> str:
+    path.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    return str(path)
+
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now make it rhyme."]},
+    {"question_id": 2, "category": "writing", "turns": ["Say hi."]},
+    {"question_id": 3, "category": "summarization", "turns": ["Summarize: cats sit. Cats sit."]},
+    {"question_id": 4, "category": "qa", "turns": ["Why is the sky blue?"]},
+]
+
+
+def test_shipped_questions_and_licence():
+    qs = specbench.load_questions()
+    assert len(qs) == 280 and (specbench.DEFAULT_QUESTIONS.parent / "LICENSE").exists()
+    assert sum(len(q["turns"]) == 2 for q in qs) == 80
+
+
+def test_limit_is_round_robin_over_the_chosen_categories(tmp_path):
+    path = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    assert [q["question_id"] for q in specbench.load_questions(path, limit=3)] == [1, 3, 4]
+    assert [q["question_id"] for q in specbench.load_questions(path, limit=4)] == [1, 3, 4, 2]
+    assert [q["question_id"] for q in specbench.load_questions(path, ["qa", "writing"])] == [1, 2, 4]
+    with pytest.raises(BenchError, match="unknown categories"):
+        specbench.load_questions(path, ["poetry"])
+    (tmp_path / "bad.jsonl").write_text('{"turns": "not a list"}\n')
+    with pytest.raises(BenchError, match="bad.jsonl:1"):
+        specbench.load_questions(tmp_path / "bad.jsonl")
+
+
+def test_method_specs():
+    specs = specbench.parse_methods("pld,eagle3=/heads/e3,rest=/ds/x,hybrid=/heads/e3")
+    assert [s.label for s in specs] == ["hf", "plain", "pld", "eagle3", "rest", "hybrid"]
+    kw = {s.label: s.llm_kwargs() for s in specs}
+    assert kw["eagle3"] == {"method": "eagle3", "head": "/heads/e3"}
+    assert kw["rest"] == {"method": "rest", "datastore": "/ds/x"}
+    assert kw["hybrid"] == {"method": "hybrid", "draft_head": "/heads/e3"}
+    twice = specbench.parse_methods("rest=/a,rest=/b")
+    assert [s.label for s in twice][2:] == ["rest=/a", "rest=/b"]
+    with pytest.raises(BenchError, match="unknown method"):
+        specbench.parse_methods("plain,warp")
+    with pytest.raises(BenchError, match="takes no"):
+        specbench.parse_methods("plain=3")
+    with pytest.raises(BenchError, match="takes no"):
+        specbench.parse_methods("pld=3")[2].llm_kwargs()
+
+
+def test_second_turn_prompt_holds_the_first_answer(tiny_target):
+    tok, prompts = tiny_target.tokenizer, []
+
+    def fake_generate(prompt_ids, max_new_tokens):
+        prompts.append(tok.decode(prompt_ids))
+        return Turn(tok("ANSWER-ONE")["input_ids"] + tiny_target.eos_token_ids, 0.5, [2, 1])
+
+    ans = specbench.answer_question(fake_generate, tok, QUESTIONS[0], 16)
+    assert "ANSWER-ONE" not in prompts[0] and "ANSWER-ONE" in prompts[1]
+    assert prompts[1].index("Write a haiku.") < prompts[1].index("ANSWER-ONE") < prompts[1].index("Now make it rhyme.")
+    assert ans.seconds == 1.0 and ans.step_tokens == [2, 1, 2, 1]
+
+
+def test_bench_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path):
+    qfile = write_questions(tmp_path / "q.jsonl", QUESTIONS[:3])
+    out = tmp_path / "out"
+    rc = cli.main(["--target", str(tiny_target_dir), "--methods", "plain,pld", "--questions", qfile,
+                   "--max-new-tokens", "16", "--runs", "2", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    for name in ("results.json", "results.md", "speedup.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = json.loads((out / "results.json").read_text())
+    assert {"cpu", "cores", "torch", "device"} <= set(res["machine"])
+    assert res["target"]["name"] == tiny_target_dir.name
+    assert res["settings"]["max_new_tokens"] == 16 and res["settings"]["runs"] == 2
+    assert set(res["methods"]) == {"hf", "plain", "pld"}
+    for name, m in res["methods"].items():
+        assert set(m["categories"]) == {"writing", "summarization"}
+        for block in [m["overall"], *m["categories"].values()]:
+            assert FIELDS <= set(block), name
+            assert {f"{k}_std" for k in ("tau", "tokens_per_s", "speedup", "speedup_vs_hf")} <= set(block)
+        assert m["overall"]["n_questions"] == 3
+        assert m["categories"]["writing"]["n_questions"] == 2
+        assert 0 < m["overall"]["new_tokens"] <= 16 * 4  # 4 turns in all
+    for name in ("plain", "pld"):
+        assert res["methods"][name]["overall"]["identical_rate"] == 1.0
+    assert res["methods"]["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert res["methods"]["plain"]["overall"]["tau"] == pytest.approx(1.0)
+    assert res["methods"]["pld"]["overall"]["tau"] >= 1.0
+    md = (out / "results.md").read_text()
+    assert "| pld |" in md and "published" in md.lower() and "Vicuna-7B" in md
+
+
+def test_cli_errors_and_serve_dispatch(tmp_path, capsys):
+    assert cli.main(["--target", "tiny-llama", "--methods", "plain,warp", "--out", str(tmp_path)]) == 2
+    assert "unknown method" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--serve", "--help"])
+    assert exit_info.value.code == 0
+    assert "--concurrency" in capsys.readouterr().out

@@ -1,0 +1,272 @@
+"""The speculation controller: cost model fit, goodput decisions, hysteresis, bandit."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from specdec.heads.tree import TreeBudget
+from specdec.infer.server.controller import (
+    GoodputPolicy, StepObservation, ThompsonPolicy, best_plan, budget_grid, make_controller)
+from specdec.infer.server.costmodel import AcceptanceTracker, CostModel, CostPrior
+
+
+def feed_cost(ctl_or_model, truth, rng, steps=200, batches=(1, 2, 4, 8, 16), max_extra=32):
+    """Observe noisy synthetic step timings t = truth(B, N) drawn over a spread of shapes."""
+    model = getattr(ctl_or_model, "cost", ctl_or_model)
+    for _ in range(steps):
+        b = rng.choice(batches)
+        n = b * (1 + rng.choice([0, 2, 4, 8, 16, max_extra]))
+        model.observe(b, n, truth(b, n) * (1 + 0.02 * rng.uniform(-1, 1)))
+
+
+def test_budget_grid_levels():
+    grid = budget_grid((8, 2, 0, 32), max_depth=6, topk=4)
+    assert grid == [TreeBudget(0, 0, 1), TreeBudget(2, 2, 1), TreeBudget(8, 6, 2), TreeBudget(32, 6, 4)]
+    assert budget_grid((4,))[0].max_nodes == 0  # plain is always on the menu
+    with pytest.raises(ValueError, match=">= 0"):
+        budget_grid((-1, 4))
+
+
+def test_cost_model_recovers_linear_costs_and_round_trips(tmp_path):
+    truth = lambda b, n: 0.010 + 0.001 * b + 0.0004 * n  # noqa: E731
+    model = CostModel(prior=CostPrior(a=0.05, b=0.0, c=0.0))  # a deliberately wrong prior
+    feed_cost(model, truth, random.Random(0))
+    for b, n in [(1, 1), (4, 40), (16, 300)]:
+        assert model.predict(b, n) == pytest.approx(truth(b, n), rel=0.05)
+    path = tmp_path / "cost.json"
+    model.save(path)
+    again = CostModel.load(path)
+    assert again.predict(8, 100) == pytest.approx(model.predict(8, 100), rel=1e-3)
+    assert json.loads(path.read_text())["format"] == "specdec-cost-model/2"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="not a specdec cost profile"):
+        CostModel.load(bad)
+
+
+def test_cost_model_separates_prefill_time():
+    truth = lambda b, n, p: 0.010 + 0.0004 * n + 0.0002 * p  # noqa: E731
+    model = CostModel()
+    rng = random.Random(0)
+    for _ in range(300):
+        b = rng.choice((1, 2, 4, 8))
+        n, p = b * (1 + rng.choice([0, 4, 8])), rng.choice([0, 0, 128, 512])
+        model.observe(b, n, truth(b, n, p), prefill=p)
+    assert model.predict(4, 36) == pytest.approx(truth(4, 36, 0), rel=0.05)  # decode-only prediction
+    assert model.coefficients()["e"] == pytest.approx(0.0002, rel=0.1)
+
+
+def test_cost_model_uses_prior_before_any_observation():
+    model = CostModel(prior=CostPrior(a=0.02, b=0.001, c=0.0005))
+    assert model.predict(2, 10) == pytest.approx(0.02 + 0.002 + 0.005)
+    assert model.predict(1, 100) > model.predict(1, 1)  # more tokens never cost less
+
+
+def test_acceptance_tracker_censors_unseen_positions():
+    tr = AcceptanceTracker(max_depth=4, num_levels=2, prior=0.5, shrink=1e-6)
+    for _ in range(50):  # always 1 of 4 accepted: position 1 hit, position 2 missed, 3-4 untested
+        tr.observe("r", 1, drafted=4, accepted=1)
+    rates = tr.level_rates()[1]
+    assert rates[0] == pytest.approx(1.0, abs=1e-3) and rates[1] == pytest.approx(0.0, abs=1e-3)
+    exp = tr.expected_tokens(["r"], [0, 4])
+    assert exp[0, 0] == 1.0 and exp[0, 1] == pytest.approx(2.0, abs=1e-2)
+
+
+def _controller_with(truth, alpha, policy="goodput", **kw):
+    ctl = make_controller(policy, grid=budget_grid((0, 2, 4, 8)), **kw)
+    feed_cost(ctl, truth, random.Random(1), max_extra=8)
+    rids = [f"r{i}" for i in range(4)]
+    for _ in range(40):  # every request accepts each position with probability alpha (expected)
+        for r in rids:
+            for lvl in range(1, 4):
+                depth = ctl.depths[lvl]
+                acc = 0
+                while acc < depth and random.random() < alpha:
+                    acc += 1
+                ctl.acceptance.observe(r, lvl, depth, acc)
+    return ctl, rids
+
+
+def plan_after(ctl, rids, steps=5):
+    plan = {}
+    for _ in range(steps):  # several steps so hysteresis lets the decision through
+        plan = ctl.plan(rids)
+    return plan
+
+
+def test_goodput_picks_plain_when_speculation_loses():
+    random.seed(0)
+    # Every verified token costs as much as a whole step's overhead: drafting can't pay.
+    truth = lambda b, n: 0.001 + 0.010 * n  # noqa: E731
+    ctl, rids = _controller_with(truth, alpha=0.5)
+    plan = plan_after(ctl, rids)
+    assert all(b.max_nodes == 0 for b in plan.values())
+
+
+def test_goodput_speculates_when_verification_is_nearly_free():
+    random.seed(0)
+    truth = lambda b, n: 0.030 + 0.0005 * b + 0.0001 * n  # memory-bound: extra tokens are cheap  # noqa: E731
+    ctl, rids = _controller_with(truth, alpha=0.8)
+    plan = plan_after(ctl, rids)
+    assert all(b.max_nodes > 0 for b in plan.values())
+    # and the chosen plan is predicted to beat plain decoding by a wide margin
+    levels = [ctl.grid.index(plan[r]) for r in rids]
+    assert ctl.predicted_goodput(rids, levels) > 1.5 * ctl.predicted_goodput(rids, [0] * 4)
+
+
+def test_goodput_gives_budget_to_the_request_that_accepts():
+    # Moderately expensive tokens: only a request whose drafts are accepted is worth drafting for.
+    cost = lambda n, groups: 0.02 + 0.002 * n  # noqa: E731
+    exp = np.array([[1.0, 1.1, 1.15, 1.2],  # drafts for r0 almost never accepted
+                    [1.0, 2.9, 4.6, 6.5]])  # r1 accepts nearly everything
+    levels = best_plan(exp, [0, 2, 4, 8], cost)
+    assert levels[0] == 0 and levels[1] > 0
+
+
+def test_best_plan_matches_brute_force():
+    rng = np.random.default_rng(0)
+    nodes = [0, 2, 4, 8]
+    for _ in range(20):
+        alpha = rng.uniform(0.2, 0.95, size=(3, 1))
+        depths = np.array([0, 2, 4, 6])
+        exp = 1 + np.array([[sum(a ** k for k in range(1, d + 1)) for d in depths] for a in alpha[:, 0]])
+        cost = lambda n, groups, c=rng.uniform(1e-4, 5e-3): 0.02 + c * n  # noqa: E731
+        greedy = best_plan(exp, nodes, cost)
+        g = lambda lv: sum(exp[i, l] for i, l in enumerate(lv)) / cost(sum(1 + nodes[l] for l in lv), 0)  # noqa: E731
+        brute = max(g((a, b, c)) for a in range(4) for b in range(4) for c in range(4))
+        assert g(greedy) == pytest.approx(brute, rel=1e-9)
+
+
+def test_costly_drafter_calls_favour_one_shared_budget():
+    # Two requests with different acceptance would each get their own depth if drafter calls
+    # were free; at 30 ms per extra drafter call they share one budget.
+    exp = np.array([[1.0, 1.8, 2.2, 2.4],
+                    [1.0, 1.9, 2.6, 3.3]])
+    free = best_plan(exp, [0, 2, 4, 8], lambda n, groups: 0.02 + 0.0005 * n)
+    costly = best_plan(exp, [0, 2, 4, 8], lambda n, groups: 0.02 + 0.0005 * n + 0.03 * groups)
+    assert free[0] != free[1]
+    assert costly[0] == costly[1] > 0
+
+
+def test_hysteresis_prevents_flapping():
+    """Acceptance wobbling around the break-even point must not flip the plan every step."""
+    grid = budget_grid((0, 4))
+    cost = CostModel(prior=CostPrior(a=0.010, b=0.0, c=0.002, g=0.0))  # plain 12 ms, 4 drafts 20 ms
+    # break-even: E(4 drafts) = 20/12 = 1.667 tokens per step
+
+    def run(margin, patience, wobble):
+        ctl = make_controller("goodput", grid=grid, cost=cost, margin=margin, patience=patience,
+                              explore_every=0)
+        ctl.expected_tokens = lambda rids: np.array([[1.0, wobble[ctl.steps % len(wobble)]]])
+        levels = []
+        for _ in range(60):
+            levels.append(ctl.grid.index(ctl.plan(["r"])["r"]))
+            ctl.steps += 1
+        return levels, sum(a != b for a, b in zip(levels, levels[1:]))
+
+    assert run(0.0, 1, [1.70, 1.64])[1] > 50  # without hysteresis the plan flaps every step
+    assert run(0.05, 3, [1.70, 1.64])[1] <= 1
+    # a sustained, clear gain does get through, after `patience` steps
+    levels, flips = run(0.05, 3, [1.0] * 10 + [2.5] * 50)
+    assert flips == 1 and levels[:12] == [0] * 12 and levels[12] == 1  # 3rd winning step
+
+
+def test_goodput_explores_when_stuck_plain():
+    ctl = make_controller("goodput", grid=budget_grid((0, 4)), explore_every=5,
+                          cost=CostModel(prior=CostPrior(a=0.001, b=0, c=0.01)))
+    chosen = [ctl.plan(["r"])["r"].max_nodes for _ in range(10)]
+    assert chosen.count(0) == 8 and chosen[4] == chosen[9] == 4
+
+
+def test_thompson_converges_to_the_better_arm():
+    pol = ThompsonPolicy(num_levels=3, seed=0)
+    means = [100.0, 130.0, 90.0]  # arm 1 has the best goodput
+    rng = random.Random(0)
+    picks = []
+    for _ in range(300):
+        arm = pol.sample_arm(0)
+        pol.reward(0, arm, rng.gauss(means[arm], 15.0))
+        picks.append(arm)
+    assert picks[-100:].count(1) >= 85
+
+
+def test_thompson_is_rewarded_through_the_controller():
+    ctl = make_controller("thompson", grid=budget_grid((0, 4)), seed=1)
+    rng = random.Random(0)
+    last = []
+    for step in range(200):
+        plan = ctl.plan(["a", "b"])
+        nodes = plan["a"].max_nodes
+        acc = 3 if nodes else 0  # speculation accepts 3 and costs little more: it wins
+        secs = (0.02 + 0.001 * nodes) * (1 + 0.05 * rng.random())
+        ctl.observe(StepObservation(2, 2 * (1 + nodes), secs, {"a": acc, "b": acc}, {"a": nodes, "b": nodes}))
+        last.append(nodes)
+    assert last[-50:].count(4) >= 45
+
+
+def test_fixed_policies():
+    grid = budget_grid((0, 2, 8))
+    always = make_controller("always", grid=grid, fixed_nodes=2)
+    assert {b.max_nodes for b in always.plan(list(range(20))).values()} == {2}
+    thr = make_controller("threshold", grid=grid, disable_batch_size=4)
+    assert {b.max_nodes for b in thr.plan([1, 2, 3]).values()} == {8}
+    assert {b.max_nodes for b in thr.plan([1, 2, 3, 4]).values()} == {0}
+    with pytest.raises(ValueError, match="unknown speculation policy"):
+        make_controller("greedy")
+    assert isinstance(make_controller().policy, GoodputPolicy)
+
+
+def _drive_confidence(confidence_of, steps=300, seed=0):
+    """Request 'r' at a 4-node chain budget: regimes of 10 easy steps (all 4 accepted), 10 hard (0)."""
+    ctl = make_controller("always", grid=budget_grid((0, 4)))
+    rng = random.Random(seed)
+    history = []
+    for step in range(steps):
+        ctl.plan(["r"])
+        acc = 4 if (step // 10) % 2 == 0 else 0
+        ctl.observe(StepObservation(1, 5, 0.02, {"r": acc}, {"r": 4}, confidence={"r": confidence_of(acc, rng)}))
+        history.append((acc, ctl.expected_tokens(["r"])[0, 1], ctl.acceptance.expected_tokens(["r"], [4])[0, 0]))
+    return ctl, history
+
+
+def test_calibrated_confidence_is_trusted_and_tracks_regime_changes():
+    # The head's scores predict acceptance but are under-confident by 2x: calibration fixes the scale.
+    ctl, history = _drive_confidence(lambda acc, rng: acc / 2 + 0.05)
+    assert ctl.confidence.calibration == pytest.approx(2.0, rel=0.1)
+    assert ctl.confidence.weight > 0.7
+    # right after a switch to the hard regime the estimate drops at once (history alone lags)
+    for step in range(200, 300, 20):
+        acc, blended, history_only = history[step + 10]  # first hard step has been observed
+        assert acc == 0 and blended < 2.0 < 3.0 < history_only
+
+
+def test_uninformative_confidence_gets_little_weight():
+    ctl, _ = _drive_confidence(lambda acc, rng: rng.random() * 4)
+    assert ctl.confidence.weight < 0.4
+
+
+def test_confidence_tap_sums_tree_scores_per_slot():
+    import torch
+
+    from specdec.heads.tree import DraftTree
+    from specdec.infer.server.controller import ConfidenceTap
+
+    class Fake:
+        feature_spec = "spec"
+
+        def propose(self, slots, roots, budget):
+            scores = torch.tensor([[1.0, 0.9, 0.5, 0.2], [1.0, 0.3, 0.0, 0.0]])
+            valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+            return DraftTree(tokens=torch.zeros(2, 4, dtype=torch.long), parents=torch.tensor([[-1, 0, 1, 1]] * 2),
+                             valid=valid, scores=scores)
+
+    tap = ConfidenceTap(Fake())
+    assert tap.feature_spec == "spec"  # everything else is the wrapped drafter's
+    tap.propose(torch.tensor([3, 5]), torch.tensor([1, 2]), TreeBudget(3, 2, 2))
+    out = tap.take()
+    assert out.keys() == {3, 5}
+    assert out[3] == pytest.approx(1.6) and out[5] == pytest.approx(0.3)
+    assert tap.take() == {}

@@ -1,0 +1,292 @@
+"""Engine: lossless greedy speculation for ANY proposed tree (random trees + an oracle branch),
+batch 1 and ragged batch 4, per-sequence stop rules, continuous batching (add / abort mid-run),
+chunked prefill, seeded sampling, every registered head type (fp32, tiny target)."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from specdec.heads.base import FeatureSpec
+from specdec.heads.tree import DraftTree, TreeBudget
+from specdec.infer.drafters import DrafterError, available_methods, make_drafter
+from specdec.infer.engine import Engine
+from specdec.infer.requests import SamplingParams
+
+BUDGET = TreeBudget(max_nodes=10, max_depth=5, topk=3)
+
+
+class RandomTreeDrafter:
+    """A deliberately simple Drafter: random trees, where (with probability p_oracle) one branch
+    follows the true greedy continuation from a precomputed plain run.
+
+    sample_q=True: every child is *sampled* from a random q(. | parent) that is returned as
+    draft_probs (the contract stochastic verification relies on). Otherwise siblings carry
+    distinct tokens (the point-mass rule's precondition).
+    """
+
+    feature_spec = FeatureSpec(hidden=True, aux_layers=(0, 2))
+
+    def __init__(self, vocab: int, hidden: int, oracle: list[list[int]] = (), p_oracle: float = 0.7,
+                 sample_q: bool = False, seed: int = 0):
+        self.vocab, self.hidden, self.oracle = vocab, hidden, [list(s) for s in oracle]
+        self.p_oracle, self.sample_q = p_oracle, sample_q
+        self.gen = torch.Generator().manual_seed(seed)
+        self.hist: dict[int, list[int]] = {}
+
+    def reset(self, max_batch, max_len):
+        self.hist = {}
+
+    def _check(self, token_ids, features):
+        n = len(token_ids)
+        assert features["hidden"].shape == (n, self.hidden)
+        assert features["aux"].shape == (n, 2 * self.hidden)
+
+    def prefill(self, slot, token_ids, features):
+        self._check(token_ids, features)
+        self.hist[slot] = token_ids.tolist()
+
+    def commit(self, slot, token_ids, features):
+        self._check(token_ids, features)
+        self.hist[slot] += token_ids.tolist()
+
+    def release(self, slot):
+        del self.hist[slot]
+
+    def _rand(self, n: int) -> int:
+        return int(torch.randint(n, (1,), generator=self.gen))
+
+    def _continuation(self, seq: list[int]) -> list[int]:
+        for ref in self.oracle:
+            if ref[:len(seq)] == seq:
+                return ref[len(seq):]
+        return []
+
+    def _one_tree(self, seq: list[int], budget: TreeBudget):
+        n = 1 + self._rand(budget.max_nodes + 1)
+        tokens, parents, depth, qs = [seq[-1]], [-1], [0], [None]
+        q_of: dict[int, torch.Tensor] = {}
+        cont = self._continuation(seq) if float(torch.rand(1, generator=self.gen)) < self.p_oracle else []
+        oracle_nodes = cont[:min(budget.max_depth, n - 1)]
+        for i in range(1, n):
+            if i <= len(oracle_nodes) and not self.sample_q:
+                parent, tok = i - 1, oracle_nodes[i - 1]
+            else:
+                parent = [j for j in range(i) if depth[j] < budget.max_depth][self._rand(sum(d < budget.max_depth for d in depth))]
+                if self.sample_q:
+                    if parent not in q_of:
+                        q_of[parent] = torch.softmax(3 * torch.randn(self.vocab, generator=self.gen), -1)
+                    tok = int(torch.multinomial(q_of[parent], 1, generator=self.gen))
+                else:
+                    siblings = {tokens[j] for j in range(i) if parents[j] == parent}
+                    tok = self._rand(self.vocab)
+                    while tok in siblings:
+                        tok = self._rand(self.vocab)
+            tokens.append(tok), parents.append(parent), depth.append(depth[parent] + 1)
+            qs.append(q_of.get(parent))
+        return tokens, parents, qs
+
+    def propose(self, slots, roots, budget):
+        rows = [self._one_tree(self.hist[int(s)] + [int(r)], budget) for s, r in zip(slots, roots)]
+        B, N = len(rows), max(len(r[0]) for r in rows)
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.zeros(B, N, dtype=torch.long)
+        valid = torch.zeros(B, N, dtype=torch.bool)
+        q = torch.zeros(B, N, self.vocab) if self.sample_q else None
+        for b, (tok, par, qs) in enumerate(rows):
+            tokens[b, :len(tok)], parents[b, :len(tok)], valid[b, :len(tok)] = torch.tensor(tok), torch.tensor(par), True
+            if q is not None:
+                for i, qi in enumerate(qs[1:], start=1):
+                    q[b, i] = qi
+        return DraftTree(tokens=tokens, parents=parents, valid=valid, draft_probs=q)
+
+
+def run(engine: Engine, prompts: dict, params, budget=None) -> dict:
+    """Add every prompt, step to the end; -> {id: final RequestOutput}, checking the stream."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params[rid] if isinstance(params, dict) else params)
+    final, streamed = {}, collections.defaultdict(str)
+    while engine.has_unfinished():
+        for out in engine.step(budget):
+            streamed[out.request_id] += out.new_text
+            if out.finished:
+                final[out.request_id] = out
+    for rid, out in final.items():
+        assert streamed[rid] == out.text, "streamed deltas must add up to the final text"
+    return final
+
+
+def prompts_of(tokenizer, n: int) -> dict:
+    texts = ["Hello there", "The quick brown fox jumps over", "a", "Once upon a time, in a land far away,"]
+    return {f"r{i}": tokenizer(texts[i])["input_ids"] for i in range(n)}
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_target):
+    """Plain greedy continuations, each computed alone (batch 1)."""
+    outs = {}
+    for rid, prompt in prompts_of(tiny_target.tokenizer, 4).items():
+        engine = Engine(tiny_target, None, max_batch=1, max_len=256)
+        outs[rid] = run(engine, {rid: prompt}, SamplingParams(max_tokens=40, ignore_eos=True))[rid]
+    return outs
+
+
+def oracle_drafter(tiny_target, plain_outputs, **kw):
+    prompts = prompts_of(tiny_target.tokenizer, 4)
+    oracle = [prompts[rid] + out.token_ids for rid, out in plain_outputs.items()]
+    return RandomTreeDrafter(tiny_target.vocab_size, tiny_target.hidden_size, oracle=oracle, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [1, 4])
+def test_random_trees_are_lossless_in_greedy(tiny_target, plain_outputs, batch):
+    drafter = oracle_drafter(tiny_target, plain_outputs, seed=batch)
+    engine = Engine(tiny_target, drafter, max_batch=batch, max_len=256)
+    prompts = prompts_of(tiny_target.tokenizer, 4)  # ragged: 11, 30, 1 and 37 tokens
+    # Different budgets in one step, including plain decoding for one request.
+    budgets = {"r0": BUDGET, "r1": TreeBudget(4, 2, 2), "r2": TreeBudget(0, 0, 0)}
+    final = run(engine, prompts, SamplingParams(max_tokens=40, ignore_eos=True), budget=budgets)
+    for rid, out in final.items():
+        assert out.token_ids == plain_outputs[rid].token_ids
+        assert out.text == plain_outputs[rid].text
+        assert out.stats["new_tokens"] == 40
+    accepted = [a for out in final.values() for a in out.stats["accepted_per_step"]]
+    assert sum(accepted) > 10, "the oracle branch should be accepted often"
+    assert final["r2"].stats["accepted_per_step"] == [0] * final["r2"].stats["steps"]
+    assert final["r0"].stats["tau"] > 1.0
+    assert engine.last_step.tokens_verified >= engine.last_step.batch_size >= 1
+
+
+def test_stop_rules_per_sequence(tiny_target, plain_outputs):
+    prompts = prompts_of(tiny_target.tokenizer, 4)
+    ref = {rid: out.token_ids for rid, out in plain_outputs.items()}
+    eos = ref["r0"][12]                        # pretend this token is the end of sequence
+    first_eos = {rid: toks.index(eos) if eos in toks else None for rid, toks in ref.items()}
+    text1 = plain_outputs["r1"].text
+    stop = next(text1[i:i + 2] for i in range(8, len(text1) - 2) if "\ufffd" not in text1[i:i + 2])
+    params = {"r0": SamplingParams(max_tokens=40),                   # stops at the eos
+              "r1": SamplingParams(max_tokens=40, stop=[stop], ignore_eos=True),
+              "r2": SamplingParams(max_tokens=7, ignore_eos=True),
+              "r3": SamplingParams(max_tokens=40, ignore_eos=True, stop=["\x00never\x00"])}
+    engine = Engine(tiny_target, oracle_drafter(tiny_target, plain_outputs, seed=5), max_batch=4, max_len=256)
+    engine.eos_ids = {eos}
+    final = run(engine, prompts, params, budget=BUDGET)
+
+    assert final["r0"].token_ids == ref["r0"][:first_eos["r0"] + 1]  # eos kept, nothing after it
+    assert final["r0"].finish_reason == "stop"
+    cut = text1.index(stop)
+    assert final["r1"].text == text1[:cut] and final["r1"].finish_reason == "stop"
+    assert ref["r1"][:len(final["r1"].token_ids)] == final["r1"].token_ids
+    assert final["r2"].token_ids == ref["r2"][:7] and final["r2"].finish_reason == "length"
+    assert final["r3"].token_ids == ref["r3"] and final["r3"].finish_reason == "length"
+
+
+def test_continuous_batching_add_and_abort(tiny_target, plain_outputs):
+    prompts = prompts_of(tiny_target.tokenizer, 4)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine = Engine(tiny_target, oracle_drafter(tiny_target, plain_outputs, seed=6), max_batch=3, max_len=256)
+    final, partial = {}, {}
+    engine.add_request("r0", prompts["r0"], params)
+    engine.add_request("r1", prompts["r1"], params)
+    for step in range(60):
+        if step == 2:  # r2 joins; r3 waits for a slot until r1 is aborted
+            engine.add_request("r2", prompts["r2"], params)
+            engine.add_request("r3", prompts["r3"], params)
+        if step == 4:
+            assert engine.abort("r1") and not engine.abort("r1")
+        for out in engine.step(BUDGET):
+            partial[out.request_id] = out
+            if out.finished:
+                final[out.request_id] = out
+        if not engine.has_unfinished():
+            break
+    assert "r1" not in final and partial["r1"].token_ids == plain_outputs["r1"].token_ids[:len(partial["r1"].token_ids)]
+    for rid in ("r0", "r2", "r3"):
+        assert final[rid].token_ids == plain_outputs[rid].token_ids, rid
+    assert len(engine.slots) == 3 and not engine.running
+
+
+def test_chunked_prefill_is_lossless(tiny_target, plain_outputs):
+    engine = Engine(tiny_target, oracle_drafter(tiny_target, plain_outputs, seed=7), max_batch=4, max_len=256,
+                    prefill_chunk=8)
+    final = run(engine, prompts_of(tiny_target.tokenizer, 4), SamplingParams(max_tokens=40, ignore_eos=True),
+                budget=BUDGET)
+    for rid, out in final.items():
+        assert out.token_ids == plain_outputs[rid].token_ids
+
+
+def test_seeded_sampling_is_reproducible(tiny_target):
+    prompts = prompts_of(tiny_target.tokenizer, 3)
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=50, top_p=0.95, seed=11, ignore_eos=True)
+
+    def speculative():
+        drafter = RandomTreeDrafter(tiny_target.vocab_size, tiny_target.hidden_size, sample_q=True, seed=3)
+        return run(Engine(tiny_target, drafter, max_batch=3, max_len=128), prompts, params, budget=BUDGET)
+
+    first, second = speculative(), speculative()
+    assert {k: v.token_ids for k, v in first.items()} == {k: v.token_ids for k, v in second.items()}
+    # Plain sampling: a seeded request draws the same tokens alone or in a batch.
+    alone = run(Engine(tiny_target, None, max_batch=1, max_len=128), {"r1": prompts["r1"]}, params)
+    batched = run(Engine(tiny_target, None, max_batch=3, max_len=128), prompts, params)
+    assert alone["r1"].token_ids == batched["r1"].token_ids
+    other = run(Engine(tiny_target, None, max_batch=1, max_len=128), {"r1": prompts["r1"]},
+                SamplingParams(max_tokens=24, temperature=0.8, seed=12, ignore_eos=True))
+    assert other["r1"].token_ids != alone["r1"].token_ids
+
+
+def test_engine_input_errors(tiny_target):
+    engine = Engine(tiny_target, None, max_batch=1, max_len=16)
+    engine.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [1])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("b", [])
+    with pytest.raises(Exception, match="max_len=16"):
+        engine.add_request("c", list(range(16)))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    # A sequence that fills the cache ends with "length": 13 committed tokens + the last root.
+    final = run(engine, {}, None)
+    assert final["a"].finish_reason == "length" and len(final["a"].token_ids) == 16 - 3 + 1
+
+
+def test_sequence_hitting_max_len_finishes_with_length(tiny_target, plain_outputs):
+    prompt = prompts_of(tiny_target.tokenizer, 1)["r0"]
+    engine = Engine(tiny_target, oracle_drafter(tiny_target, plain_outputs), max_batch=1, max_len=len(prompt) + 6)
+    out = run(engine, {"r0": prompt}, SamplingParams(max_tokens=40, ignore_eos=True), budget=BUDGET)["r0"]
+    assert out.finish_reason == "length"
+    assert out.token_ids == plain_outputs["r0"].token_ids[:len(out.token_ids)] and len(out.token_ids) == 7
+
+
+def test_make_drafter_registry(tiny_target):
+    assert make_drafter("plain", tiny_target) is None
+    with pytest.raises(DrafterError, match="unknown method"):
+        make_drafter("telepathy", tiny_target)
+    with pytest.raises(DrafterError, match="needs a trained head"):
+        make_drafter("eagle3", tiny_target)
+    assert {"plain", "medusa", "eagle3", "mlp", "sps"} <= set(available_methods())
+
+
+# ---------------------------------------------------------------------------------------------
+def _head_types():
+    try:
+        from specdec.heads import head_types
+    except ImportError:
+        return []
+    return list(head_types())
+
+
+@pytest.mark.parametrize("head_type", _head_types())
+@pytest.mark.parametrize("batch", [1, 4])
+def test_random_head_drafts_losslessly(tiny_target, plain_outputs, head_type, batch):
+    """A randomly initialised head of every registered type, through its own drafter."""
+    from specdec.heads import get_head_class
+
+    torch.manual_seed(0)
+    head = get_head_class(head_type).from_target(tiny_target).eval()
+    engine = Engine(tiny_target, head.new_drafter(tiny_target), max_batch=batch, max_len=256)
+    prompts = prompts_of(tiny_target.tokenizer, 2 if batch == 1 else 4)  # ragged either way
+    final = run(engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True), budget=TreeBudget(8, 4, 2))
+    for rid, out in final.items():
+        assert out.token_ids == plain_outputs[rid].token_ids[:24], (head_type, rid)

@@ -1,0 +1,64 @@
+"""Target loading: folders, clear resolve errors, and the embedded GGUF conversion is exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.infer.target import TargetError, load_target, resolve_target
+
+
+def test_tiny_target_from_a_folder(tiny_target_dir):
+    target = load_target(str(tiny_target_dir))
+    assert (target.hidden_size, target.num_layers, target.vocab_size) == (64, 4, 320)
+    im_end = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert target.eos_token_ids == [im_end]
+    assert target.chat_template and "<|im_start|>" in target.chat_template
+    assert not target.model.training
+    assert not any(p.requires_grad for p in target.model.parameters())
+    # The identity is a property of the weights, stable across loads.
+    assert load_target(str(tiny_target_dir)).identity() == target.identity()
+    assert target.identity()["hidden_size"] == 64
+
+
+def test_identity_tells_different_weights_apart(tmp_path, tiny_target):
+    from specdec.infer.tiny import build_tiny_target
+
+    other = load_target(str(build_tiny_target(tmp_path / "t", seed=1)))
+    assert other.identity()["fingerprint"] != tiny_target.identity()["fingerprint"]
+
+
+def test_resolve_errors_are_clear(tmp_path):
+    with pytest.raises(TargetError, match="does not exist"):
+        resolve_target(str(tmp_path / "missing" / "model"))
+    with pytest.raises(TargetError, match="does not exist"):
+        resolve_target(str(tmp_path / "model.gguf"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetError, match="has no config.json"):
+        resolve_target(str(tmp_path / "empty"))
+    with pytest.raises(TargetError, match="unknown target 'nonsense'"):
+        resolve_target("nonsense")
+
+
+@pytest.mark.e2e
+def test_smollm2_reports_its_shape(smollm2):
+    assert (smollm2.hidden_size, smollm2.num_layers, smollm2.vocab_size) == (576, 30, 49152)
+    assert smollm2.eos_token_ids == [2]
+
+
+@pytest.mark.e2e
+def test_converted_folder_equals_the_gguf(smollm2):
+    """The safetensors folder we convert to gives the GGUF's own logits (fp32)."""
+    from specdec.infer.target import embedded_gguf
+
+    gguf = embedded_gguf("smollm2-135m")  # kept in the cache beside the converted folder
+    assert gguf.parent == smollm2.path.parent
+    direct = load_target(str(gguf), dtype=torch.float32)
+    text = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three prime numbers."}], tokenize=False,
+        add_generation_prompt=True)
+    ids = smollm2.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    assert direct.tokenizer(text, add_special_tokens=False)["input_ids"] == ids[0].tolist()
+    with torch.no_grad():
+        a = smollm2.model(input_ids=ids).logits
+        b = direct.model(input_ids=ids).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -1,0 +1,310 @@
+"""Training-free drafters (pld, lookahead, rest, hybrid) and the REST datastore.
+
+Proposals are checked directly against the Drafter protocol; losslessness through the engine:
+greedy output equals plain greedy on the tiny target, batch 1 and batch 4 with ragged prompts.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.heads.tree import DraftTree, TreeBudget
+from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
+                                     default_datastore)
+from specdec.infer.drafters.hybrid import HybridDrafter
+from specdec.infer.drafters.lookahead import LookaheadDrafter
+from specdec.infer.drafters.pld import CandidateTrie, PLDDrafter, find_continuations
+from specdec.infer.drafters.rest import RESTDrafter
+
+BUDGET = TreeBudget(max_nodes=12, max_depth=5, topk=4)
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer where only the vocabulary identity matters."""
+
+    def __init__(self, vocab: int = 100, name: str = "ids"):
+        self.vocab, self.name_or_path = vocab, name
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(self.vocab)}
+
+
+def paths_of(tree: DraftTree, b: int = 0) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of row b (root excluded)."""
+    toks, par, valid = tree.tokens[b].tolist(), tree.parents[b].tolist(), tree.valid[b].tolist()
+    paths: dict[int, tuple] = {0: ()}
+    for i in range(1, len(toks)):
+        if valid[i]:
+            paths[i] = paths[par[i]] + (toks[i],)
+    return set(paths.values()) - {()}
+
+
+def check_tree(tree: DraftTree, roots, budget: TreeBudget) -> None:
+    tree.validate()
+    assert tree.tokens[:, 0].tolist() == list(roots)
+    depth, _ = tree.masks()
+    assert (tree.valid.sum(1) - 1 <= budget.max_nodes).all()
+    assert int(depth[tree.valid].max()) <= budget.max_depth
+    assert tree.draft_probs is None
+
+
+# ---------------------------------------------------------------------------- PLD
+
+
+def test_pld_copies_the_continuation_of_the_matching_ngram():
+    d = PLDDrafter(max_ngram=3)
+    d.reset(2, 64)
+    #           the cat sat on the mat . the cat -> root "sat"
+    prompt = [10, 11, 12, 13, 10, 14, 15, 10, 11]
+    d.prefill(0, torch.tensor(prompt), {})
+    tree = d.propose(torch.tensor([0]), torch.tensor([12]), BUDGET)
+    check_tree(tree, [12], BUDGET)
+    assert tree.top_path(0)[:5] == [12, 13, 10, 14, 15]  # "sat on the mat ." copied
+
+
+def test_pld_merges_several_matches_most_recent_first():
+    # "a b" is followed by c (older) and by d (recent): both children of b, d ranked first.
+    seq = np.array([1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
+    conts = find_continuations(seq, max_ngram=2, min_ngram=1, length=3, max_matches=4)
+    assert conts[0] == [4, 9, 1] and conts[1] == [3, 9, 1]
+    d = PLDDrafter(max_ngram=2)
+    d.prefill(3, torch.tensor(seq[:-1].tolist()), {})
+    tree = d.propose(torch.tensor([3]), torch.tensor([2]), TreeBudget(8, 3, 4))
+    check_tree(tree, [2], TreeBudget(8, 3, 4))
+    paths = paths_of(tree)
+    assert (4, 9, 1) in paths and (3, 9, 1) in paths
+    assert tree.top_path(0) == [2, 4, 9, 1]
+    # the shared "9 1 ..." tails stay separate branches, the shared root children are deduped
+    assert sum(1 for p in paths if len(p) == 1) == len({p[0] for p in paths})
+
+
+def test_pld_respects_the_budget_and_follows_commits():
+    d = PLDDrafter(max_ngram=3, max_matches=8)
+    d.reset(1, 128)
+    d.prefill(0, torch.arange(20).repeat(3), {})  # strongly periodic
+    tight = TreeBudget(max_nodes=3, max_depth=2, topk=2)
+    tree = d.propose(torch.tensor([0]), torch.tensor([0]), tight)
+    check_tree(tree, [0], tight)
+    assert tree.top_path(0) == [0, 1, 2]
+    d.commit(0, torch.tensor([0, 1, 2]), {})
+    assert d.propose(torch.tensor([0]), torch.tensor([3]), tight).top_path(0) == [3, 4, 5]
+
+
+def test_empty_prompt_still_proposes_a_valid_tree():
+    for d in (PLDDrafter(), LookaheadDrafter()):
+        d.reset(1, 32)
+        d.prefill(0, torch.zeros(0, dtype=torch.long), {})
+        tree = d.propose(torch.tensor([0]), torch.tensor([7]), BUDGET)
+        check_tree(tree, [7], BUDGET)
+        d.commit(0, torch.tensor([7]), {})
+        check_tree(d.propose(torch.tensor([0]), torch.tensor([8]), BUDGET), [8], BUDGET)
+
+
+# ---------------------------------------------------------------------------- lookahead
+
+
+def test_lookahead_verification_branch_comes_from_the_ngram_pool():
+    d = LookaheadDrafter(window=4, ngram=3, guess_set=3)
+    d.reset(1, 64)
+    d.prefill(0, torch.tensor([5, 6, 7, 1, 5, 8, 9]), {})
+    tree = d.propose(torch.tensor([0]), torch.tensor([5]), BUDGET)
+    check_tree(tree, [5], BUDGET)
+    paths = paths_of(tree)
+    assert (8, 9) in paths and (6, 7) in paths          # both 3-grams that start with 5
+    assert tree.top_path(0)[:3] == [5, 8, 9]             # the most recent one first
+    # committed tokens add their n-grams: 9 -> (3, 4) becomes available
+    d.commit(0, torch.tensor([5, 9, 3, 4]), {})
+    assert (3, 4) in paths_of(d.propose(torch.tensor([0]), torch.tensor([9]), BUDGET))
+
+
+def test_lookahead_window_shifts_by_the_committed_tokens():
+    d = LookaheadDrafter(window=4, ngram=2, guess_set=2)
+    d.prefill(0, torch.tensor([1, 2]), {})
+    d.guesses[0] = [11, 12, 13, 14]
+    d.commit(0, torch.tensor([3, 11]), {})              # root + one accepted guess
+    assert d.guesses[0][:2] == [13, 14] and len(d.guesses[0]) == 4
+
+
+# ---------------------------------------------------------------------------- datastore + REST
+
+
+def test_suffix_array_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = rng.integers(-1, 4, size=int(rng.integers(1, 40)))
+        assert build_suffix_array(a).tolist() == sorted(range(len(a)), key=lambda i: a[i:].tolist())
+
+
+@pytest.fixture
+def store(tmp_path):
+    docs = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [7, 1, 2, 6], [9]]
+    return Datastore.load(build_datastore(docs, tmp_path / "ds", IdTokenizer(), ["docs"]), IdTokenizer())
+
+
+def test_datastore_round_trip_and_lookup(store):
+    assert store.header["num_documents"] == 5 and len(store) == 5 * 1 + 17
+    assert isinstance(store.tokens, np.memmap) and isinstance(store.suffix_array, np.memmap)
+    m, cont = store.lookup([0, 0, 1, 2, 3], depth=3)       # longest suffix found: [1 2 3]
+    assert m == 3
+    assert sorted(map(tuple, cont.tolist())) == [(4, -1, -1), (4, -1, -1), (5, -1, -1)]
+    m, cont = store.lookup([8, 2], depth=2)                # falls back to the 1-gram [2]
+    assert m == 1 and sorted(map(tuple, cont.tolist())) == [(3, 4), (3, 4), (3, 5), (6, -1)]
+    assert store.lookup([42], depth=2)[1].shape == (0, 2)  # unknown token: nothing
+
+
+def test_rest_tree_ranks_continuations_by_frequency(store):
+    d = RESTDrafter(store)
+    d.reset(1, 32)
+    d.prefill(0, torch.tensor([1, 2]), {})
+    tree = d.propose(torch.tensor([0]), torch.tensor([3]), BUDGET)
+    check_tree(tree, [3], BUDGET)
+    assert paths_of(tree) == {(4,), (5,)}
+    scores = dict(zip(tree.tokens[0, 1:].tolist(), tree.scores[0, 1:].tolist()))
+    assert scores[4] == pytest.approx(2 / 3) and scores[5] == pytest.approx(1 / 3)
+    assert tree.top_path(0) == [3, 4]
+
+
+def test_corrupt_or_foreign_datastore_is_a_clear_error(store, tmp_path):
+    with pytest.raises(DatastoreError, match="not a REST datastore"):
+        Datastore.load(tmp_path / "nothing")
+    with pytest.raises(DatastoreError, match="built with tokenizer"):
+        Datastore.load(store.path, IdTokenizer(vocab=99, name="other"))
+    header = json.loads((store.path / "header.json").read_text())
+    (store.path / "header.json").write_text("{not json")
+    with pytest.raises(DatastoreError, match="corrupt header"):
+        Datastore.load(store.path)
+    (store.path / "header.json").write_text(json.dumps(header))
+    sa_file, sa = store.path / "suffix_array.npy", np.array(store.suffix_array)
+    raw = sa_file.read_bytes()
+    sa_file.write_bytes(raw[:len(raw) - 16])                 # truncated
+    with pytest.raises(DatastoreError, match="suffix_array.npy"):
+        Datastore.load(store.path)
+    np.save(sa_file, sa[::-1].copy())                       # right shape, entries out of order
+    with pytest.raises(DatastoreError, match="out of range or out of order"):
+        Datastore.load(store.path)
+
+
+def test_default_datastore_is_built_once_over_the_bundled_prompts(tiny_target, tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"question": "2 + 2?", "answer": "It is 4.\n#### 4"}) + "\n")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("specdec.infer.datastore.default_corpus_files", lambda: [corpus])
+    first = default_datastore(tiny_target)
+    assert first.header["num_documents"] == 1 and str(first.path).startswith(str(tmp_path / "cache"))
+    stamp = (first.path / "tokens.npy").stat().st_mtime_ns
+    assert default_datastore(tiny_target).path == first.path
+    assert (first.path / "tokens.npy").stat().st_mtime_ns == stamp  # cached, not rebuilt
+
+
+def test_datastore_subcommand(tiny_target_dir, tmp_path):
+    from specdec.train.data_cli import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": "hello there"}]}) + "\n")
+    assert main(["datastore", "--target", str(tiny_target_dir), "--data", str(corpus),
+                 "--out", str(tmp_path / "ds")]) == 0
+    assert Datastore.load(tmp_path / "ds").header["num_documents"] == 1
+    assert main(["datastore", "--target", str(tiny_target_dir), "--data", str(tmp_path / "missing.jsonl"),
+                 "--out", str(tmp_path / "ds2")]) == 2
+
+
+# ---------------------------------------------------------------------------- hybrid
+
+
+class FixedHead:
+    """A head drafter that always proposes root -> 50 -> 51 and root -> 60, with confidences."""
+
+    from specdec.heads.base import FeatureSpec
+    feature_spec = FeatureSpec(hidden=True)
+
+    def __init__(self):
+        self.commits = []
+
+    def reset(self, max_batch, max_len): pass
+    def prefill(self, slot, token_ids, features): pass
+    def release(self, slot): pass
+
+    def commit(self, slot, token_ids, features):
+        self.commits.append(token_ids.tolist())
+
+    def propose(self, slots, roots, budget):
+        B = len(roots)
+        tokens = torch.tensor([[0, 50, 51, 60]] * B)
+        tokens[:, 0] = roots
+        return DraftTree(tokens=tokens, parents=torch.tensor([[-1, 0, 1, 0]] * B),
+                         valid=torch.ones(B, 4, dtype=torch.bool),
+                         scores=torch.tensor([[1.0, 0.6, 0.5, 0.3]] * B))
+
+
+def test_hybrid_merges_head_and_retrieval_within_the_budget(store):
+    head = FixedHead()
+    d = HybridDrafter(head, PLDDrafter(max_ngram=2), RESTDrafter(store))
+    d.reset(2, 64)
+    d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {"hidden": torch.zeros(7, 4)})
+    budget = TreeBudget(max_nodes=6, max_depth=4, topk=4)
+    tree = d.propose(torch.tensor([0]), torch.tensor([3]), budget)
+    check_tree(tree, [3], budget)
+    paths = paths_of(tree)
+    assert (50,) in paths and (20,) in paths and (4,) in paths   # head, PLD and REST all present
+    assert len(paths) == 6
+    # PLD's continuation keeps being committed -> its estimated acceptance rises above the
+    # head's confidence and PLD's deeper nodes win the budget.
+    before = d.estimate.rate("pld")
+    for _ in range(6):
+        d.propose(torch.tensor([0]), torch.tensor([3]), budget)
+        d.commit(0, torch.tensor([3, 20, 21]), {"hidden": torch.zeros(3, 4)})
+        d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {"hidden": torch.zeros(7, 4)})
+    assert d.estimate.rate("pld") > before and d.estimate.rate("head") < 0.5
+    tree = d.propose(torch.tensor([0]), torch.tensor([3]), budget)
+    assert tree.top_path(0)[:4] == [3, 20, 21, 22]
+    assert head.commits and head.commits[0] == [3, 20, 21]      # sub-drafters see every commit
+
+
+# ---------------------------------------------------------------------------- lossless
+
+
+PROMPTS = ["abcabcabc abcabc", "hello world hello world hello", "", "x" * 40 + " The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_target):
+    from specdec.infer.api import LLM, SamplingParams
+
+    llm = LLM(tiny_target, "plain", max_batch=4, max_len=256)
+    return llm.generate(PROMPTS, SamplingParams(max_tokens=48), chat=True)
+
+
+@pytest.fixture(scope="module")
+def echo_datastore(tiny_target, plain_outputs, tmp_path_factory):
+    """A datastore of the target's own answers: REST's drafts then get accepted often."""
+    tok = tiny_target.tokenizer
+    docs = [tok(o.text, add_special_tokens=False)["input_ids"] for o in plain_outputs] + [o.token_ids for o in plain_outputs]
+    return build_datastore(docs, tmp_path_factory.mktemp("echo") / "ds", tok)
+
+
+@pytest.fixture(scope="module")
+def random_eagle3(tiny_target, tmp_path_factory):
+    from specdec.heads import get_head_class
+
+    return get_head_class("eagle3").from_target(tiny_target).save_pretrained(tmp_path_factory.mktemp("e3") / "head")
+
+
+@pytest.mark.parametrize("method", ["pld", "lookahead", "rest", "hybrid", "hybrid+eagle3"])
+def test_greedy_output_equals_plain_decoding(method, tiny_target, plain_outputs, echo_datastore, random_eagle3):
+    from specdec.infer.api import LLM, SamplingParams
+
+    opts = {"rest": {"datastore": str(echo_datastore)}, "hybrid": {"datastore": str(echo_datastore)},
+            "hybrid+eagle3": {"datastore": str(echo_datastore), "draft_head": str(random_eagle3)}}
+    name = method.split("+")[0]
+    llm = LLM(tiny_target, name, max_batch=4, max_len=256, **opts.get(method, {}))
+    params = SamplingParams(max_tokens=48)
+    batch = llm.generate(PROMPTS, params, chat=True)                  # batch 4, ragged prompts
+    assert [o.token_ids for o in batch] == [o.token_ids for o in plain_outputs]
+    single = llm.generate([PROMPTS[0]], params, chat=True)[0]         # batch 1
+    assert single.token_ids == plain_outputs[0].token_ids
+    if name in ("rest", "hybrid"):  # the datastore holds these very answers: drafts get accepted
+        assert sum(sum(o.stats["accepted_per_step"]) for o in batch) > 0

@@ -1,0 +1,94 @@
+"""Self-distillation: prompts kept, replies from the target, resumable without duplicates."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.train.data import DataError, load_conversations
+from specdec.train.regenerate import first_turn_prompt, regenerate
+
+GEN = dict(batch_size=3, max_new_tokens=6, progress=False)
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [{"id": i, "messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": f"Question {i}?" + "!" * i},
+                                   {"role": "assistant", "content": "old reply"},
+                                   {"role": "user", "content": "follow-up"}]} for i in range(7)]
+    rows.append({"question": "only a question"})  # GSM8K record, no answer: still a prompt
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def read(out):
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_first_turn_prompt_keeps_system_and_first_user():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"}]
+    assert first_turn_prompt(msgs) == msgs[:2]
+    assert first_turn_prompt([{"role": "assistant", "content": "a"}]) is None
+
+
+def test_replies_are_the_targets_own_greedy_output(tmp_path, tiny_target, prompts_file):
+    out = tmp_path / "r.jsonl"
+    stats = regenerate(tiny_target, [prompts_file], out, **GEN)
+    records = read(out)
+    assert stats["written"] == 8 and len(records) == 8
+    for r in records:
+        assert r["messages"][-1]["role"] == "assistant"
+        assert [m["role"] for m in r["messages"][:-1]] in (["system", "user"], ["user"])
+        assert r["finish_reason"] in ("stop", "length")
+    by_id = {r["id"]: r for r in records}
+    assert by_id["p.jsonl/3"]["messages"][1]["content"] == "Question 3?!!!"
+    # The reply is what greedy generate() gives for that prompt alone (no padding effect).
+    tok, model = tiny_target.tokenizer, tiny_target.model
+    prompt = by_id["p.jsonl/5"]["messages"][:-1]
+    ids = tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False, return_tensors="pt")["input_ids"]
+    alone = model.generate(ids, max_new_tokens=6, do_sample=False,
+                           pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    alone = alone[:alone.index(tok.eos_token_id)] if tok.eos_token_id in alone else alone
+    assert by_id["p.jsonl/5"]["messages"][-1]["content"] == tok.decode(alone, skip_special_tokens=True).strip()
+    # The output reads back as OpenAI-format conversations.
+    assert len(load_conversations([out], on_error="fail")) == 8
+
+
+def test_resume_skips_written_ids_and_drops_a_half_line(tmp_path, tiny_target, prompts_file):
+    out = tmp_path / "r.jsonl"
+    regenerate(tiny_target, [prompts_file], out, limit=3, **GEN)
+    first = out.read_text()
+    assert len(read(out)) == 3
+    # A kill in the middle of a write leaves half a line: it is dropped and redone.
+    out.write_text(first + '{"id": "p.jsonl/3", "messages": [{"ro')
+    stats = regenerate(tiny_target, [prompts_file], out, limit=5, **GEN)
+    assert stats == {**stats, "written": 2, "already_done": 3}
+    records = read(out)
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)) == 5
+    assert out.read_text().startswith(first)  # finished records untouched
+    # Nothing left to do: a rerun writes nothing.
+    assert regenerate(tiny_target, [prompts_file], out, limit=5, **GEN)["written"] == 0
+
+
+def test_refuses_to_append_to_a_foreign_file(tmp_path, tiny_target, prompts_file):
+    out = tmp_path / "r.jsonl"
+    out.write_text("not json\n{}\n")
+    with pytest.raises(DataError, match=r"r\.jsonl:1: not a regenerate record"):
+        regenerate(tiny_target, [prompts_file], out, **GEN)
+
+
+def test_sampled_cli_run(tmp_path, tiny_target_dir, prompts_file, capsys):
+    from specdec.train.data_cli import main
+
+    out = tmp_path / "r.jsonl"
+    argv = ["regenerate", "--target", str(tiny_target_dir), "--dtype", "float32", "--data",
+            str(prompts_file), "--out", str(out), "--limit", "4", "--batch-size", "2",
+            "--max-new-tokens", "5", "--temperature", "0.8"]
+    assert main(argv) == 0
+    assert "wrote 4 replies" in capsys.readouterr().out
+    assert len(read(out)) == 4

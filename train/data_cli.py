@@ -1,0 +1,205 @@
+"""`specdec-data`: prepare training data for draft heads.
+
+Subcommands live in the SUBCOMMANDS table at the bottom: each is a `Subcommand(help,
+description, add_arguments, run)`. Adding one (say `datastore`) is one new entry plus its
+two functions; heavy imports stay inside `run` so `--help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str                                           # one line, in `specdec-data --help`
+    description: str                                    # shown by `specdec-data NAME --help`
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int | None]
+
+
+def add_target_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
+    p.add_argument("--target", default="smollm2-135m",
+                   help="target model: embedded name (smollm2-135m, tiny-llama), HF folder, .gguf "
+                        "file or hub id (default: %(default)s)")
+    p.add_argument("--dtype", default=default_dtype, choices=["bfloat16", "float32", "float16"],
+                   help="dtype to run the target in (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:1, ... ('auto' = cuda if available; default: %(default)s)")
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="JSON/JSONL files: ShareGPT, OpenAI messages, Alpaca or GSM8K records "
+                        "(format detected per record), or a bundled set: gsm8k, guanaco, sharegpt_dummy")
+    p.add_argument("--format", default="auto", dest="fmt",
+                   choices=["auto", "openai", "sharegpt", "alpaca", "gsm8k"],
+                   help="force one record format instead of detecting it (default: %(default)s)")
+    p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
+                   help="malformed record: skip it and print a count, or stop with file:line "
+                        "(default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N records")
+
+
+def _data_paths(names: list[str]) -> list[str]:
+    from specdec.train.data import BUNDLED, bundled_prompts
+
+    return [str(bundled_prompts(n)) if n in BUNDLED else n for n in names]
+
+
+def _load_target(args):
+    import torch
+
+    from specdec.infer.target import load_target
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_target(args.target, dtype=args.dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- regenerate
+
+def regenerate_args(p: argparse.ArgumentParser) -> None:
+    add_target_args(p, default_dtype="bfloat16")
+    add_data_args(p)
+    p.add_argument("--out", required=True, help="output JSONL (appended to; rerun to resume)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate() call (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples at this temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+
+
+def regenerate_run(args) -> int:
+    from specdec.train.regenerate import regenerate
+
+    target = _load_target(args)
+    stats = regenerate(target, _data_paths(args.data), args.out, limit=args.limit,
+                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       fmt=args.fmt, on_error=args.on_error)
+    rate = stats["new_tokens"] / max(stats["seconds"], 1e-9)
+    print(f"specdec-data: wrote {stats['written']} replies to {args.out} ({stats['already_done']} "
+          f"already there), {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s = {rate:.0f} tok/s")
+    return 0
+
+
+# ----------------------------------------------------------------------------- capture
+
+def capture_args(p: argparse.ArgumentParser) -> None:
+    add_target_args(p, default_dtype="bfloat16")
+    add_data_args(p)
+    p.add_argument("--out", required=True, help="capture directory (rerun the same command to resume)")
+    spec = p.add_argument_group("features (a head type's spec, or explicit; explicit flags win)")
+    spec.add_argument("--head-type", default=None,
+                      help="ask this head type for its feature spec (e.g. eagle3, medusa)")
+    spec.add_argument("--aux-layers", default=None,
+                      help="comma-separated hidden-state ids, e.g. 2,15,27 (HF output_hidden_states "
+                           "indices); 'default' = EAGLE-3's low/mid/high layers")
+    spec.add_argument("--hidden", action=argparse.BooleanOptionalAction, default=None,
+                      help="store the final post-norm hidden state (default: yes unless a head type says no)")
+    spec.add_argument("--topk-logits", type=int, default=None,
+                      help="store the top-K next-token log-probabilities (default 0)")
+    p.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
+    p.add_argument("--pack", action="store_true", help="pack sequences into rows of --max-length")
+    p.add_argument("--split", default="train", choices=["train", "eval", "all"],
+                   help="which part of the seeded train/eval split to capture (default: %(default)s)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="held-out share (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="split seed (default: %(default)s)")
+    p.add_argument("--batch-tokens", type=int, default=8192,
+                   help="padded tokens per forward pass (default: %(default)s)")
+    p.add_argument("--shard-tokens", type=int, default=32768, help="tokens per shard (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="discard an existing capture in --out")
+
+
+def capture_run(args) -> int:
+    from datasets import concatenate_datasets
+
+    from specdec.train.capture import capture, resolve_features
+    from specdec.train.data import prepare_dataset
+    from specdec.train.features import default_aux_layers
+
+    target = _load_target(args)
+    aux = args.aux_layers
+    if aux == "default":
+        aux = default_aux_layers(target.num_layers)
+    elif aux is not None:
+        aux = [int(x) for x in aux.split(",") if x.strip()]
+    features = resolve_features(target, args.head_type, args.hidden, aux, args.topk_logits)
+    paths = _data_paths(args.data)
+    splits = prepare_dataset(paths, target.tokenizer, max_length=args.max_length, pack=args.pack,
+                             fmt=args.fmt, on_error=args.on_error, eval_fraction=args.eval_fraction,
+                             seed=args.seed, limit=args.limit)
+    ds = concatenate_datasets([splits["train"], splits["eval"]]) if args.split == "all" else splits[args.split]
+    source = {"paths": paths, "split": args.split, "eval_fraction": args.eval_fraction,
+              "seed": args.seed, "max_length": args.max_length, "pack": args.pack,
+              "limit": args.limit}
+    out = capture(target, ds, args.out, features, batch_tokens=args.batch_tokens,
+                  shard_tokens=args.shard_tokens, source=source, overwrite=args.overwrite)
+    print(f"specdec-data: captured {len(ds)} sequences, features {features}, into {out}")
+    return 0
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "regenerate": Subcommand(
+        help="self-distillation: the target writes its own reply to every prompt",
+        description="Keep each record's prompt (system + first user turn) and let the target "
+                    "write the reply (batched generate, left padding, greedy or --temperature). "
+                    "Writes an OpenAI-messages JSONL; rerunning resumes, skipping ids already "
+                    "written.\n\nexample:\n  specdec-data regenerate --target smollm2-135m "
+                    "--data gsm8k --limit 400 --out runs/data/gsm8k.regen.jsonl",
+        add_arguments=regenerate_args, run=regenerate_run),
+    "capture": Subcommand(
+        help="run the frozen target once and store the features a head trains on",
+        description="Tokenise the data with the target's chat template (loss on assistant "
+                    "tokens), run batched prefill and store the features (final hidden, aux "
+                    "hidden states, top-k log-probs) as checksummed safetensors shards with a "
+                    "manifest. Rerunning resumes after the last finished shard.\n\nexample:\n"
+                    "  specdec-data capture --target smollm2-135m --data runs/data/gsm8k.regen.jsonl "
+                    "--head-type eagle3 --out runs/features/gsm8k-eagle3",
+        add_arguments=capture_args, run=capture_run),
+    "datastore": Subcommand(
+        help="build the REST datastore (suffix array over a tokenised corpus) for `rest=DIR`",
+        description="Tokenise conversations with the target's tokenizer and chat template and "
+                    "write DIR/tokens.npy, DIR/suffix_array.npy (memory-mapped at run time) and "
+                    "DIR/header.json. Without --data, all bundled prompt sets are used.\n\n"
+                    "example:\n  specdec-data datastore --target smollm2-135m --out runs/rest/bundled",
+        add_arguments=lambda p: __import__("specdec.infer.datastore", fromlist=["_"]).add_datastore_arguments(p),
+        run=lambda a: __import__("specdec.infer.datastore", fromlist=["_"]).datastore_command(a)),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec-data",
+        description="Prepare data for draft-head training: regenerate replies with the target "
+                    "(self-distillation), then capture the target's features for offline training.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.description,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specdec.infer.target import TargetError
+    from specdec.train.capture import CaptureError
+    from specdec.train.data import DataError
+
+    try:
+        return args._run(args) or 0
+    except (DataError, CaptureError, TargetError) as err:
+        print(f"specdec-data {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""One ``specdec-train recipe.yaml`` run, start to finish.
+
+    load target -> data (bundled / local files; optional self-distillation, cached and
+    resumable) -> tokenise (cached) -> build the head, choose its draft vocab from the
+    training tokens -> features: capture once (offline; a complete matching capture is
+    reused) or the target in the loop (online) -> DeepSpeed training (checkpoints, resume)
+    -> eval -> <output.dir>/final/
+
+Work that every process would otherwise repeat is split: each process regenerates and
+captures its own share of the data (``part-<r>-of-<w>`` files under the output folder, which
+must be on a filesystem all processes see), and tokenisation runs on rank 0 first so the
+others read its cache.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .batches import OnlineSource, StoreSource
+from .config import Recipe, resolve_head_class, split_loss
+from .trainer import DistInfo, RunLogger, Trainer, barrier, setup_distributed
+
+
+def run(recipe: Recipe, resume: bool | None = None) -> Path:
+    """Train the recipe's head; returns ``<output.dir>/final``. resume None = automatic."""
+    from specdec.infer.target import load_target
+
+    dist = setup_distributed()
+    out = Path(recipe.output.dir)
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        recipe.dump(out / "recipe.resolved.yaml")
+        if resume is False:  # start over: forget checkpoints and the metric log, keep data caches
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+    barrier()
+    target = load_target(recipe.target.name, dtype=recipe.target.dtype, device=dist.device)
+    train_ds, eval_ds = prepare_data(recipe, target, dist)
+    head = build_head(recipe, target, train_ds)
+    if dist.is_main:  # now with every head field the target decided (hidden size, vocab, ...)
+        recipe.dump(out / "recipe.resolved.yaml", head_fields=_head_fields(head))
+    spec = head.feature_spec()
+    if recipe.data.mode == "offline":
+        train_src, eval_src = capture_sources(recipe, target, spec, train_ds, eval_ds, dist)
+        del target  # the head holds its own copies of the frozen parts it needs
+        gc.collect()
+    else:
+        train_src, eval_src = OnlineSource(train_ds, target, spec), OnlineSource(eval_ds, target, spec)
+    trainer = Trainer(recipe, head, train_src, eval_src, dist)
+    resumed = trainer.restore(resume)
+    logger = RunLogger(recipe, dist.is_main, trainer.state["step"] if resumed else 0)
+    try:
+        trainer.train(logger)
+        result = trainer.evaluate()
+        return trainer.save_final(result)
+    finally:
+        logger.finish()
+
+
+def _head_fields(head) -> dict | None:
+    import dataclasses
+
+    config = getattr(head, "config", None)
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
+
+
+# ----------------------------------------------------------------------------- data
+
+def resolve_files(files: list[str]) -> list[Path]:
+    """``bundled:<name>`` -> the packaged prompt file; anything else must be an existing file."""
+    from specdec.train.data import DataError, bundled_prompts
+
+    paths = []
+    for name in files:
+        path = bundled_prompts(name.split(":", 1)[1]) if name.startswith("bundled:") else Path(name)
+        if not path.is_file():
+            raise DataError(f"data.files: {name}: no such file")
+        paths.append(path)
+    return paths
+
+
+def _slug(path: Path) -> str:
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+    return f"{path.stem}-{digest}"
+
+
+def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) -> list[Path]:
+    """Self-distil the first ``num_prompts`` prompts of each file; every process does its share.
+
+    Returns the JSONL files (one per file and process share). Reruns skip finished prompts.
+    """
+    from specdec.train.data import iter_conversations
+    from specdec.train.regenerate import regenerate
+
+    g, d = recipe.data.regenerate, recipe.data
+    folder = Path(g.dir or Path(recipe.output.dir) / "regenerated")
+    folder.mkdir(parents=True, exist_ok=True)
+    outputs = []
+    for path in files:
+        stem = f"{_slug(path)}-n{g.num_prompts if g.num_prompts is not None else 'all'}"
+        prompts = folder / f"{stem}.prompts-{dist.rank}-of-{dist.world_size}.jsonl"
+        replies = folder / f"{stem}.part-{dist.rank}-of-{dist.world_size}.jsonl"
+        if not prompts.exists():  # this process's prompts: conversation i with i % world == rank
+            tmp = prompts.with_suffix(".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for i, conv in enumerate(iter_conversations([path], d.format)):
+                    if g.num_prompts is not None and i >= g.num_prompts:
+                        break
+                    if i % dist.world_size == dist.rank:
+                        f.write(json.dumps({"id": conv.id, "messages": conv.messages}, ensure_ascii=False) + "\n")
+            tmp.replace(prompts)
+        stats = regenerate(target, [prompts], replies, batch_size=g.batch_size,
+                           max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                           seed=recipe.optim.seed + dist.rank, fmt="openai", progress=dist.is_main)
+        if dist.is_main:
+            print(f"regenerated {path.name}: {stats}", file=sys.stderr)
+    barrier()
+    for path in files:
+        stem = f"{_slug(path)}-n{g.num_prompts if g.num_prompts is not None else 'all'}"
+        outputs += [folder / f"{stem}.part-{r}-of-{dist.world_size}.jsonl" for r in range(dist.world_size)]
+    return [p for p in outputs if p.stat().st_size > 0]
+
+
+def prepare_data(recipe: Recipe, target, dist: DistInfo):
+    """(train, eval) tokenised ``datasets.Dataset``s with ``input_ids`` and ``loss_mask``."""
+    from datasets import concatenate_datasets
+
+    from specdec.train.data import DataError, prepare_dataset
+
+    d = recipe.data
+    files = resolve_files(d.files)
+    sources: list[tuple[Path, str, int | None]] = []
+    if d.regenerate.enabled:
+        sources += [(p, "openai", None) for p in regenerate_files(recipe, target, files, dist)]
+    if not d.regenerate.enabled or d.regenerate.keep_original:
+        sources += [(p, d.format, d.limit) for p in files]
+    parts = []
+    for first in (True, False):  # rank 0 tokenises (and caches) first, the others then read it
+        if first == dist.is_main:
+            parts = [prepare_dataset([p], target.tokenizer, max_length=d.max_length, pack=d.pack,
+                                     fmt=fmt, eval_fraction=d.eval_fraction, seed=d.seed, limit=limit)
+                     for p, fmt, limit in sources]
+        barrier()
+    train = concatenate_datasets([p["train"] for p in parts])
+    evals = [p["eval"] for p in parts if len(p["eval"])]
+    eval_ds = concatenate_datasets(evals) if evals else parts[0]["eval"]
+    if len(train) == 0:
+        raise DataError("no training sequences: check data.files / data.limit")
+    if dist.is_main:
+        n_tok = sum(len(x) for x in train["input_ids"])
+        print(f"data: {len(train)} training sequences ({n_tok:,} tokens), {len(eval_ds)} eval",
+              file=sys.stderr)
+    return train, eval_ds
+
+
+def token_counts(dataset, vocab_size: int) -> torch.Tensor:
+    """[V] how often each token is a loss-masked (to be predicted) token of ``dataset``."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for chunk in dataset.select_columns(["input_ids", "loss_mask"]).iter(batch_size=1024):
+        for ids, mask in zip(chunk["input_ids"], chunk["loss_mask"]):
+            ids, mask = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask).bool()
+            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_head(recipe: Recipe, target, train_ds):
+    """``from_target`` with the recipe's fields (seeded), then the head's data hook."""
+    head_cls = resolve_head_class(recipe.head.type)
+    loss_fields, _ = split_loss(head_cls, recipe.loss)
+    torch.manual_seed(recipe.optim.seed)
+    head = head_cls.from_target(target, **recipe.head.fields, **loss_fields)
+    hook = getattr(head, "set_draft_vocab", None)  # heads with a reduced vocab choose it here
+    if callable(hook):
+        hook(token_counts(train_ds, target.vocab_size))
+    return head
+
+
+# ----------------------------------------------------------------------------- features
+
+class ConcatStore:
+    """Several FeatureStores (one per capturing process) read as one, in order."""
+
+    def __init__(self, stores):
+        self.stores = list(stores)
+        self.starts = [0]
+        for s in self.stores:
+            self.starts.append(self.starts[-1] + len(s))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i: int):
+        import bisect
+
+        k = bisect.bisect_right(self.starts, i) - 1
+        return self.stores[k][i - self.starts[k]]
+
+    def lengths(self) -> list[int]:
+        return [n for s in self.stores for n in s.lengths()]
+
+
+def capture_sources(recipe: Recipe, target, spec, train_ds, eval_ds, dist: DistInfo):
+    """Capture (or reuse) this process's share of train/eval features; open every share."""
+    from specdec.train.capture import CaptureError, FeatureStore, as_feature_dict, capture
+
+    d = recipe.data
+    default_dir = d.capture_dir is None
+    root = Path(d.capture_dir or Path(recipe.output.dir) / "features")
+    features = as_feature_dict(spec)
+    sources = []
+    for split, ds in (("train", train_ds), ("eval", eval_ds)):
+        dirs = [root / split / f"part-{r}-of-{dist.world_size}" for r in range(dist.world_size)]
+        bounds = [len(ds) * r // dist.world_size for r in range(dist.world_size + 1)]
+        mine = ds.select(range(bounds[dist.rank], bounds[dist.rank + 1]))
+        if len(mine):
+            source = {"recipe": recipe.source, "split": split, "part": dist.rank, "of": dist.world_size}
+            try:
+                capture(target, mine, dirs[dist.rank], features, batch_tokens=d.capture_batch_tokens,
+                        source=source, progress=dist.is_main)
+            except CaptureError as err:
+                if not default_dir:  # a user-named capture folder is never overwritten
+                    raise
+                print(f"features: {err}; capturing again", file=sys.stderr)
+                capture(target, mine, dirs[dist.rank], features, batch_tokens=d.capture_batch_tokens,
+                        source=source, progress=dist.is_main, overwrite=True)
+        barrier()
+        stores = [FeatureStore(p, features=features) for p, a, b in zip(dirs, bounds, bounds[1:]) if b > a]
+        store = ConcatStore(stores)
+        sources.append(StoreSource(store, list(range(len(store)))))
+    return sources

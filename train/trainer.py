@@ -1,0 +1,417 @@
+"""The DeepSpeed training loop for any draft head.
+
+The loop knows heads only through their protocol: ``head.loss(batch, **loss_kwargs)`` to
+train, ``head.acceptance(batch, depth)`` to evaluate, ``head.save_pretrained(dir)`` at the
+end. It never looks at the head's type. One optimizer step = ``grad_accum`` micro-batches
+on each of ``world`` processes; which sequences those are is fixed by
+``batches.GlobalBatchPlan`` from the step number alone, so data-parallel runs reproduce the
+single-process loss curve and a resumed run reproduces the uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .batches import GlobalBatchPlan, eval_batches
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Recipe, split_loss
+from .evaluate import EvalResult, evaluate, format_table
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> DistInfo:
+    """Join the launcher's process group, or make a one-process group for a plain run.
+
+    ``deepspeed`` / ``torchrun`` set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT. A plain
+    ``specdec-train`` has none, and DeepSpeed would then try MPI discovery (mpi4py): set
+    them for a single process on a free port instead.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda"
+    if not cuda:
+        os.environ["DS_ACCELERATOR"] = "cpu"  # read by DeepSpeed at its first accelerator query
+    import deepspeed
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        # generous timeout: rank 0 may regenerate data / capture features while others wait
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False,
+                                   timeout=timedelta(hours=6))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def use_bf16(recipe: Recipe, device: torch.device) -> bool:
+    precision = recipe.deepspeed.precision
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def schedule_steps(recipe: Recipe, steps_per_epoch: int) -> tuple[int, int]:
+    """(total optimizer steps, warmup steps) from epochs / max_steps and warmup."""
+    o = recipe.optim
+    total = o.max_steps if o.max_steps is not None else o.epochs * steps_per_epoch
+    warmup = o.warmup if isinstance(o.warmup, int) else int(round(o.warmup * total))
+    return total, min(warmup, total)
+
+
+def deepspeed_config(recipe: Recipe, world_size: int, bf16: bool, total: int, warmup: int) -> dict:
+    """The DeepSpeed config dict; ``deepspeed.extra`` is deep-merged over it last."""
+    o = recipe.optim
+    cfg = {
+        "train_micro_batch_size_per_gpu": o.micro_batch_size,
+        "gradient_accumulation_steps": o.grad_accum,
+        "train_batch_size": o.micro_batch_size * o.grad_accum * world_size,
+        "gradient_clipping": float(o.clip),
+        "zero_optimization": {"stage": recipe.deepspeed.zero_stage},
+        # our torch.optim.AdamW: skips building DeepSpeed's cpu_adam / fused Adam extensions
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bool(bf16)},
+        "scheduler": lr_scheduler_config(o.schedule, o.lr, total, warmup),
+        "steps_per_print": 1 << 30,  # we print our own progress
+        "wall_clock_breakdown": False,
+    }
+    return _deep_merge(cfg, recipe.deepspeed.extra)
+
+
+def lr_scheduler_config(schedule: str, lr: float, total: int, warmup: int) -> dict:
+    """WarmupCosineLR / WarmupDecayLR / WarmupLR with a linear warmup from 0 (none if 0 steps)."""
+    steps = max(1, warmup)  # DeepSpeed wants a positive count; with warmup 0 the ramp is flat
+    if schedule == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(total, steps), "warmup_num_steps": steps,
+            "warmup_min_ratio": 0.0 if warmup else 1.0, "cos_min_ratio": 0.0,
+            "warmup_type": "linear"}}
+    params = {"warmup_min_lr": 0.0 if warmup else lr, "warmup_max_lr": lr,
+              "warmup_num_steps": steps, "warmup_type": "linear"}
+    if schedule == "linear":
+        return {"type": "WarmupDecayLR", "params": {**params, "total_num_steps": max(total, steps)}}
+    return {"type": "WarmupLR", "params": params}
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters; weight decay on matrices only (not norms, biases, scalars)."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 and weight_decay > 0 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError("the head has no trainable parameters")
+    groups = [{"params": decay, "weight_decay": weight_decay}] if decay else []
+    return groups + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+
+
+class _HeadLoss(nn.Module):
+    """What DeepSpeed wraps: forward(batch) = head.loss(batch, **loss_kwargs)."""
+
+    def __init__(self, head: nn.Module, loss_kwargs: dict):
+        super().__init__()
+        self.head = head
+        self.loss_kwargs = dict(loss_kwargs)
+
+    def forward(self, batch):
+        return self.head.loss(batch, **self.loss_kwargs)
+
+
+class Trainer:
+    """Train ``head`` on ``train_source`` (a batches.StoreSource / OnlineSource)."""
+
+    def __init__(self, recipe: Recipe, head: nn.Module, train_source, eval_source, dist: DistInfo):
+        import deepspeed
+
+        self.recipe, self.head, self.dist = recipe, head, dist
+        self.train_source, self.eval_source = train_source, eval_source
+        self.out = Path(recipe.output.dir)
+        self.bf16 = use_bf16(recipe, dist.device)
+        self.float_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        o = recipe.optim
+        self.plan = GlobalBatchPlan(len(train_source), o.micro_batch_size, o.grad_accum,
+                                    dist.world_size, dist.rank, o.seed, lengths=train_source.lengths())
+        self.total_steps, self.warmup_steps = schedule_steps(recipe, self.plan.steps_per_epoch)
+        head.to(dist.device)
+        _, self.loss_kwargs = split_loss(type(head), recipe.loss)
+        module = _HeadLoss(head, self.loss_kwargs)
+        optimizer = torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr,
+                                      betas=tuple(o.betas), eps=o.eps)
+        self.ds_config = deepspeed_config(recipe, dist.world_size, self.bf16,
+                                          self.total_steps, self.warmup_steps)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=self.ds_config)
+        # DeepSpeed's schedulers stand at iteration -1 (lr 0 or 1) until the first step;
+        # start at 1 so optimizer step s (1-based) uses the schedule's lr at s
+        self.scheduler.step(1)
+        self.state = {"step": 0, "tokens": 0}
+        self.logger = None
+
+    # ------------------------------------------------------------------ resume
+    def restore(self, resume: bool | None) -> bool:
+        """Load the newest complete checkpoint (resume None = if one exists). True if loaded."""
+        tag = latest_checkpoint(self.out)
+        if resume is False or tag is None:
+            if resume:
+                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.out}/checkpoints")
+            return False
+        self.state = load_checkpoint(self.engine, self.out, tag, self.dist.rank)
+        self._say(f"resumed from {self.out / 'checkpoints' / tag} at step {self.state['step']}")
+        return True
+
+    # ------------------------------------------------------------------ training
+    def train(self, logger) -> dict:
+        """Run until total_steps (checkpointing / evaluating on the way); returns the state."""
+        from tqdm.auto import tqdm
+
+        self.logger = logger
+        r = self.recipe
+        self.engine.train()
+        bar = tqdm(total=self.total_steps, initial=self.state["step"], desc="train", unit="step",
+                   disable=not self.dist.is_main, dynamic_ncols=True, file=sys.stderr)
+        while self.state["step"] < self.total_steps:
+            started = time.perf_counter()
+            lr = self.scheduler.get_last_lr()[0]  # the lr this step uses
+            sums, tokens = self._one_step(self.state["step"])
+            self.state["step"] += 1
+            step = self.state["step"]
+            means, tokens = self._reduce(sums, tokens)
+            self.state["tokens"] += tokens
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            record = {"step": step, **means, "lr": lr,
+                      "tokens": self.state["tokens"], "tokens_per_s": tokens / elapsed,
+                      "epoch": (step - 1) // self.plan.steps_per_epoch}
+            if step % r.output.log_every == 0 or step == self.total_steps:
+                logger.log_train(record)
+            bar.set_postfix(loss=f"{means['loss']:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+            bar.update(1)
+            last = step == self.total_steps
+            if r.output.eval_every and step % r.output.eval_every == 0 and not last:
+                self.evaluate(step)
+            if (r.output.save_every and step % r.output.save_every == 0) or last:
+                self.save(step)
+        bar.close()
+        return self.state
+
+    def _one_step(self, step: int) -> tuple[dict, int]:
+        sums: dict[str, float] = {}
+        tokens = 0
+        for a in range(self.recipe.optim.grad_accum):
+            positions = self.plan.micro_batch(step, a)
+            batch = self.train_source.batch(positions, self.float_dtype, self.dist.device)
+            loss, metrics = self.engine(batch)
+            self.engine.backward(loss)
+            self.engine.step()
+            for k, v in {"loss": loss.detach(), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / self.recipe.optim.grad_accum
+            tokens += int(batch["attention_mask"].sum())
+        if not math.isfinite(sums["loss"]):
+            raise FloatingPointError(f"step {step + 1}: loss is {sums['loss']} (lower optim.lr?)")
+        return sums, tokens
+
+    def _reduce(self, sums: dict, tokens: int) -> tuple[dict, int]:
+        """Mean of the step's metrics over processes, total tokens over processes."""
+        import torch.distributed as dist
+
+        names = sorted(sums)
+        packed = torch.tensor([sums[k] for k in names] + [float(tokens)], dtype=torch.float64)
+        if self.dist.world_size > 1:
+            dist.all_reduce(packed)
+            packed[:-1] /= self.dist.world_size
+        return dict(zip(names, packed[:-1].tolist())), int(packed[-1])
+
+    # ------------------------------------------------------------------ checkpoints / eval
+    def save(self, step: int) -> None:
+        save_checkpoint(self.engine, self.out, step, dict(self.state), self.dist.rank,
+                        keep_last=self.recipe.output.keep_last)
+
+    def evaluate(self, step: int | None = None) -> EvalResult | None:
+        """Acceptance / tau / calibration on this process's share of the eval set, reduced."""
+        if self.eval_source is None or len(self.eval_source) == 0:
+            self._say("no eval sequences (data.eval_fraction = 0): skipping eval")
+            return None
+        depth = self.recipe.output.eval_depth
+        shards = eval_batches(len(self.eval_source), self.recipe.optim.micro_batch_size,
+                              self.dist.world_size, self.dist.rank)
+        batches = (self.eval_source.batch(p, self.float_dtype, self.dist.device) for p in shards)
+        result = evaluate(self.head, batches, depth, gather=self._gather,
+                          loss_kwargs=self.loss_kwargs)
+        step = self.state["step"] if step is None else step
+        if self.logger is not None:
+            self.logger.log_eval(step, result)
+        self._say(format_table(result))
+        return result
+
+    def _gather(self, obj) -> list:
+        import torch.distributed as dist
+
+        if self.dist.world_size == 1:
+            return [obj]
+        out = [None] * self.dist.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def save_final(self, result: EvalResult | None) -> Path:
+        """``<output.dir>/final/``: the head (save_pretrained), eval.json, the resolved recipe."""
+        final = self.out / "final"
+        params = list(self.head.parameters())
+        if self.recipe.deepspeed.zero_stage == 3:  # parameters are partitioned: gather them
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                self._write_final(final, result)
+        else:
+            self._write_final(final, result)
+        barrier()
+        return final
+
+    def _write_final(self, final: Path, result: EvalResult | None) -> None:
+        if not self.dist.is_main:
+            return
+        self.head.save_pretrained(final)
+        resolved = self.out / "recipe.resolved.yaml"
+        if resolved.exists():
+            (final / "recipe.yaml").write_text(resolved.read_text())
+        if result is not None:
+            text = json.dumps({"step": self.state["step"], **result.to_dict()}, indent=2)
+            for where in (self.out / "eval.json", final / "eval.json"):
+                where.write_text(text + "\n")
+        self._say(f"saved the trained head to {final}")
+
+    def _say(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- run logging
+def wandb_mode(configured: str) -> str:
+    """auto -> $WANDB_MODE if set, else online when logged in, else offline (never blocks)."""
+    if configured != "auto":
+        return configured
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return env
+    return "online" if _wandb_logged_in() else "offline"
+
+
+def _wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class RunLogger:
+    """``<output.dir>/metrics.jsonl`` (one JSON line per logged step / eval) + wandb, rank 0 only.
+
+    On resume from step S the lines a killed run wrote after S are dropped, so the file always
+    reads as one uninterrupted run; the wandb run id is kept in the output dir and reused.
+    """
+
+    def __init__(self, recipe: Recipe, is_main: bool, resume_step: int = 0):
+        self.is_main = is_main
+        self.out = Path(recipe.output.dir)
+        self.path = self.out / "metrics.jsonl"
+        self.run = None
+        if not is_main:
+            return
+        self._truncate(resume_step)
+        mode = wandb_mode(recipe.wandb.mode)
+        if mode != "disabled":
+            self.run = self._init_wandb(recipe, mode)
+
+    def _truncate(self, resume_step: int) -> None:
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def _init_wandb(self, recipe: Recipe, mode: str):
+        import wandb
+
+        id_file = self.out / "wandb-run-id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        w = recipe.wandb
+        kwargs = dict(project=w.project, name=w.name or self.out.name, entity=w.entity,
+                      tags=list(w.tags) or None, dir=str(self.out), config=recipe.to_dict(),
+                      id=run_id, resume="allow")
+        try:
+            return wandb.init(mode=mode, **kwargs)
+        except Exception as err:  # noqa: BLE001 - a logging backend must not kill training
+            print(f"wandb {mode} failed ({err}); logging offline instead", file=sys.stderr)
+            return wandb.init(mode="offline", **kwargs)
+
+    def _write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def log_train(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        self._write({"kind": "train", **record})
+        if self.run is not None:
+            self.run.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def log_eval(self, step: int, result: EvalResult) -> None:
+        if not self.is_main:
+            return
+        flat = result.flat_metrics()
+        self._write({"kind": "eval", "step": step, **flat})
+        if self.run is not None:
+            self.run.log(flat, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
