@@ -219,12 +219,14 @@ class Eagle3Head(EagleFamily):
     # lm_head.weight, d2t [Vd] int64, t2d [V] bool); embeddings stay the target's, never written.
     SPECULATIVE_TOKENS = 3   # proposal length the speculators config suggests (its converter's)
 
-    def _export_speculators(self, out_dir, target):
+    def _export_speculators(self, out_dir, target, fmt: str = "speculators"):
         """speculators / vLLM format: config.json with `speculators_model_type: eagle3`
         (vLLM: transformers_utils/configs/speculators; speculators: models/eagle3/config.py)."""
         from . import export_common as ex
 
         c, tensors = self.config, self.saved_state_dict()
+        if fmt == "vllm":
+            self._require_three_aux_layers("vLLM's Eagle3LlamaForCausalLM", "speculators")
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_config": {
@@ -244,14 +246,14 @@ class Eagle3Head(EagleFamily):
                  f"  '{{\"model\": \"<draft>\", \"method\": \"eagle3\", \"num_speculative_tokens\": "
                  f"{self.SPECULATIVE_TOKENS}}}'\n"
                  "# or let vLLM read the verifier from this config: vllm serve <draft>")
-        notes = [f"The target must return hidden_states {list(c.aux_layers)} (HF indices: the "
-                 "residual stream entering those decoder layers), concatenated, as the fused input."]
-        return ex.write_export(out_dir, self, target, "speculators", config, tensors, usage=usage,
-                               notes=notes)
+        notes = [f"Fused input: the target's hidden_states {list(c.aux_layers)} (HF indices, the "
+                 "residual stream entering those decoder layers = vLLM's aux layer ids), "
+                 "concatenated; engines read them from config.json."]
+        return ex.write_export(out_dir, self, target, fmt, config, tensors, usage=usage, notes=notes)
 
     def _export_vllm(self, out_dir, target):
         """vLLM loads EAGLE-3 drafts in the speculators format (Eagle3LlamaForCausalLM)."""
-        return self._export_speculators(out_dir, target)
+        return self._export_speculators(out_dir, target, fmt="vllm")
 
     def _export_sglang(self, out_dir, target):
         """SGLang / EAGLE-3 reference layout: `LlamaForCausalLMEagle3` config, `midlayer.*` tensors
@@ -259,6 +261,7 @@ class Eagle3Head(EagleFamily):
         from . import export_common as ex
 
         c = self.config
+        self._require_three_aux_layers("SGLang's LlamaForCausalLMEagle3", "speculators")
         if c.norm_before_residual:
             raise ex.ExportError(
                 "SGLang's LlamaForCausalLMEagle3 keeps the un-normalised feature as the residual, "
@@ -281,6 +284,14 @@ class Eagle3Head(EagleFamily):
                  "of layer i): both name the same target features."]
         return ex.write_export(out_dir, self, target, "sglang", config, tensors, usage=usage,
                                notes=notes)
+
+    def _require_three_aux_layers(self, engine: str, instead: str) -> None:
+        from .export_common import ExportError
+
+        if len(self.config.aux_layers) != 3:
+            raise ExportError(f"{engine} fuses exactly 3 target layers (fc reads 3 x hidden), but "
+                              f"this head reads {len(self.config.aux_layers)} "
+                              f"(aux_layers={self.config.aux_layers}): export it as {instead!r}")
 
 
 HEAD = Eagle3Head

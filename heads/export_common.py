@@ -18,7 +18,6 @@ import json
 import re
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 EXPORT_FORMAT = "specdec-export/1"
@@ -139,9 +138,9 @@ def write_export(out_dir, head, target, fmt: str, config: dict, tensors: dict[st
     return out
 
 
-def write_card(folder) -> Path:
+def write_card(folder, location: str | None = None) -> Path:
     path = Path(folder) / CARD_FILE
-    path.write_text(render_model_card(folder))
+    path.write_text(render_model_card(folder, location))
     return path
 
 
@@ -172,9 +171,10 @@ def looks_like_hub_id(name: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name or "")) and not Path(name).exists()
 
 
-def render_model_card(folder, repo_id: str | None = None) -> str:
+def render_model_card(folder, location: str | None = None) -> str:
     """README.md for an export folder, from its specdec.json, eval.json and recipe.resolved.yaml.
-    `repo_id` (when pushing) replaces the local folder in the usage snippet."""
+    `location` is where users find the draft (the final folder, or the hub repo when pushing);
+    default: `folder` itself."""
     folder = Path(folder)
     prov = _read_json(folder / PROVENANCE_FILE) or {}
     head_type = prov.get("head_type", "draft")
@@ -187,9 +187,9 @@ def render_model_card(folder, repo_id: str | None = None) -> str:
     if looks_like_hub_id(verifier):
         lines.append(f"base_model: {verifier}")
     lines += ["---", "", f"# {title} draft head for `{target.get('name', verifier)}`", "",
-              f"A {title} speculative-decoding head trained with specdec, written in the "
-              f"**{fmt}** format. It proposes tokens; the target verifies them, so generated text "
-              "is exactly the target's.", "", "| | |", "|---|---|",
+              f"Speculative-decoding draft head ({title}) trained with specdec, written in the "
+              f"**{fmt}** format. It proposes tokens and the target verifies them, so the generated "
+              "text is exactly the target's, only faster.", "", "| | |", "|---|---|",
               f"| head type | `{head_type}` |", f"| format | `{fmt}` |"]
     if target:
         shape = ", ".join(f"{k} {target[k]}" for k in ("model_type", "hidden_size",
@@ -202,7 +202,7 @@ def render_model_card(folder, repo_id: str | None = None) -> str:
     files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     lines += [f"| files | {', '.join(f'`{f}`' for f in files if f != CARD_FILE)} |", ""]
     if prov.get("usage"):
-        draft = repo_id or str(folder.resolve())
+        draft = str(location or folder.resolve())
         lines += ["## Use it", "", "```bash",
                   prov["usage"].replace(DRAFT, draft).replace(VERIFIER, verifier), "```", ""]
     lines += [f"- {n}" for n in prov.get("notes", [])]
@@ -230,7 +230,7 @@ def _training_section(recipe: dict | None, head_config: dict) -> list[str]:
         lines.append(f"- target: `{(recipe.get('target') or {}).get('name')}` in "
                      f"{(recipe.get('target') or {}).get('dtype')}; the full recipe is "
                      f"`{RECIPE_FILE}`")
-    fields = {k: v for k, v in head_config.items() if k not in ("format", "target")}
+    fields = {k: v for k, v in head_config.items() if k not in ("format", "target", "head_type")}
     if fields:
         lines.append("- head: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
     return lines + [""]
@@ -247,15 +247,9 @@ def _acceptance_section(ev: dict | None) -> list[str]:
     for k, (reach, acc) in enumerate(zip(ev.get("reach", []), ev["acceptance"]), start=1):
         correct, count = (ev.get("correct") or [None] * k)[k - 1], (ev.get("count") or [None] * k)[k - 1]
         lines.append(f"| {k} | {reach:.3f} | {acc:.3f} | {correct} / {count} |")
-    lines += ["", f"Expected tokens per step of a greedy chain of {ev.get('depth', len(ev['acceptance']))}"
-              f" drafts: **tau = {ev.get('tau', float('nan')):.3f}**"]
+    tau = (f"Expected tokens per step of a greedy chain of {ev.get('depth', len(ev['acceptance']))}"
+           f" drafts: **tau = {ev.get('tau', float('nan')):.3f}**")
     if ev.get("ece") is not None:
-        lines.append(f" (draft confidence calibration: ECE {ev['ece']:.4f}).")
-    return lines + [""]
+        tau += f" (calibration of the draft's confidence: ECE {ev['ece']:.4f})"
+    return lines + ["", tau + ".", ""]
 
-
-def tensor_digest(t: Tensor) -> str:
-    """Short content hash of a tensor (tests compare exports without keeping copies)."""
-    import hashlib
-
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]

@@ -71,7 +71,6 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id, prompt_ids, params: SamplingParams | None = None) -> None:
         """Queue a request; it gets a KV slot at the next step with one free."""
-        request_id = str(request_id)
         if request_id in self.running or any(r.id == request_id for r in self.waiting):
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
@@ -85,7 +84,6 @@ class Engine:
 
     def abort(self, request_id) -> bool:
         """Drop a request (waiting or running); True if it existed."""
-        request_id = str(request_id)
         for r in self.waiting:
             if r.id == request_id:
                 self.waiting.remove(r)

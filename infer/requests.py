@@ -50,7 +50,7 @@ class SamplingParams:
 class RequestOutput:
     """One request's state after a step (``new_*``: what this step added) or at the end."""
 
-    request_id: str
+    request_id: object                 # as given to add_request (any hashable)
     text: str                          # generated text so far (cut at a stop string)
     token_ids: list[int]               # generated tokens so far (eos included when hit)
     new_token_ids: list[int] = field(default_factory=list)
@@ -65,7 +65,7 @@ class Request:
     """Engine-side state of one sequence. ``root`` is the pending token: sampled by the target,
     emitted, but not yet run through it (its K/V is written by the next verification)."""
 
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, tokenizer, device):
+    def __init__(self, request_id, prompt: list[int], params: SamplingParams, tokenizer, device):
         self.id, self.prompt, self.params, self.tokenizer = request_id, prompt, params, tokenizer
         self.slot: int | None = None
         self.prefilled = 0                 # prompt tokens whose K/V are in the cache

@@ -6,7 +6,8 @@ import os
 import sys
 
 EPILOG = """\
-recipe sections (YAML; every key is checked, with its line, before any work starts):
+recipe sections (YAML; every key is checked, with its line, before any work starts; the
+meaning of each key is commented in train/config.py and recipes/smollm2-135m/eagle3.yaml):
 {sections}
 
 overrides: any number of dotted.key=value after the recipe, typed like the recipe field, e.g.

@@ -21,22 +21,17 @@ checked exactly like the file (their errors name the override instead of a line)
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
-import io
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from .yamlnodes import (RecipeError, apply_override, check_keys, compose, convert, convert_fields,
+                        type_hints, where)
+
 SECTIONS = ("target", "head", "data", "loss", "optim", "output", "deepspeed", "wandb")
-
-
-class RecipeError(ValueError):
-    """A recipe key is unknown, mistyped or out of range; the message names key and line."""
 
 
 @dataclass
@@ -179,73 +174,22 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), h
 
 def parse_recipe(text: str, name: str = "<recipe>", overrides=(), head_resolver=None) -> Recipe:
     """Like load_recipe, from YAML text (``name`` is used in error messages)."""
-    root = _compose(text, name)
+    root = compose(text, name)
     if root is None:
         root = yaml.MappingNode("tag:yaml.org,2002:map", [])
     if not isinstance(root, yaml.MappingNode):
-        raise RecipeError(f"{_where(root)}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
+        raise RecipeError(f"{where(root)}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
     for item in overrides:
-        _apply_override(root, item)
+        apply_override(root, item)
     return _build_recipe(root, name, head_resolver or resolve_head_class)
 
 
-def _compose(text: str, name: str):
-    stream = io.StringIO(text)
-    stream.name = name  # the YAML reader puts this name into every mark
-    try:
-        return yaml.compose(stream, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as err:
-        raise RecipeError(f"{name}: not valid YAML: {err}") from err
-
-
-def _where(node) -> str:
-    mark = node.start_mark
-    if mark.name.startswith("override "):
-        return mark.name
-    return f"{mark.name}:{mark.line + 1}"
-
-
-def _apply_override(root: yaml.MappingNode, item: str) -> None:
-    """Splice ``a.b.c=value`` into the node tree; the value is parsed as YAML."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise RecipeError(f"override {item!r}: expected dotted.key=value")
-    parts = key.strip().split(".")
-    value = _compose(raw if raw.strip() else "''", f"override {item!r}")
-    if value is None:  # `a.b=null`
-        value = yaml.ScalarNode("tag:yaml.org,2002:null", "null", *_marks(f"override {item!r}"))
-    node = root
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        for k, v in node.value:
-            if k.value == part:
-                if last:
-                    node.value[node.value.index((k, v))] = (k, value)
-                    return
-                if not isinstance(v, yaml.MappingNode):  # e.g. `data: ~` in the file
-                    v2 = yaml.MappingNode("tag:yaml.org,2002:map", [], *_marks(f"override {item!r}"))
-                    node.value[node.value.index((k, v))] = (k, v2)
-                    v = v2
-                node = v
-                break
-        else:
-            k = yaml.ScalarNode("tag:yaml.org,2002:str", part, *_marks(f"override {item!r}"))
-            v = value if last else yaml.MappingNode("tag:yaml.org,2002:map", [], *_marks(f"override {item!r}"))
-            node.value.append((k, v))
-            node = v
-
-
-def _marks(name: str):
-    mark = yaml.Mark(name, 0, 0, 0, None, None)
-    return mark, mark
-
-
 def _build_recipe(root: yaml.MappingNode, name: str, head_resolver) -> Recipe:
-    seen = _check_keys(root, SECTIONS, "")
+    seen = check_keys(root, SECTIONS, "")
     recipe = Recipe(source=name)
     for section in ("target", "data", "optim", "output", "deepspeed", "wandb"):
         if section in seen:
-            setattr(recipe, section, _convert(seen[section], type(getattr(recipe, section)), section))
+            setattr(recipe, section, convert(seen[section], type(getattr(recipe, section)), section))
     if "head" not in seen:
         raise RecipeError(f"{name}: missing section 'head' (with at least `type:`)")
     head_cls, recipe.head = _build_head(seen["head"], head_resolver)
@@ -255,43 +199,26 @@ def _build_recipe(root: yaml.MappingNode, name: str, head_resolver) -> Recipe:
     return recipe
 
 
-def _check_keys(node, allowed, prefix: str) -> dict:
-    """Map key -> value node; an unknown or repeated key is an error naming it and its line."""
-    if not isinstance(node, yaml.MappingNode):
-        raise RecipeError(f"{_where(node)}: {prefix or 'recipe'}: expected a mapping")
-    seen = {}
-    for k, v in node.value:
-        dotted = f"{prefix}.{k.value}" if prefix else k.value
-        if k.value not in allowed:
-            hint = difflib.get_close_matches(str(k.value), list(allowed), n=1)
-            hint = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(allowed)})"
-            raise RecipeError(f"{_where(k)}: {dotted}: unknown key{hint}")
-        if k.value in seen:
-            raise RecipeError(f"{_where(k)}: {dotted}: key given twice")
-        seen[k.value] = v
-    return seen
-
-
 def _build_head(node, head_resolver):
     if not isinstance(node, yaml.MappingNode):
-        raise RecipeError(f"{_where(node)}: head: expected a mapping with `type:`")
+        raise RecipeError(f"{where(node)}: head: expected a mapping with `type:`")
     type_node = next((v for k, v in node.value if k.value == "type"), None)
     if type_node is None:
-        raise RecipeError(f"{_where(node)}: head.type: missing (one of the registered head types)")
-    head_type = _convert(type_node, str, "head.type")
+        raise RecipeError(f"{where(node)}: head.type: missing (one of the registered head types)")
+    head_type = convert(type_node, str, "head.type")
     try:
         head_cls = head_resolver(head_type)
     except Exception as err:  # noqa: BLE001 - report any registry failure with the line
-        raise RecipeError(f"{_where(type_node)}: head.type: {err}") from err
+        raise RecipeError(f"{where(type_node)}: head.type: {err}") from err
     config_cls = getattr(head_cls, "Config", None)
     if not dataclasses.is_dataclass(config_cls):
-        raise RecipeError(f"{_where(type_node)}: head.type: {head_cls.__name__}.Config is not a dataclass")
+        raise RecipeError(f"{where(type_node)}: head.type: {head_cls.__name__}.Config is not a dataclass")
     names = [f.name for f in dataclasses.fields(config_cls) if f.init]
-    seen = _check_keys(node, ["type", *names], "head")
+    seen = check_keys(node, ["type", *names], "head")
     given = {k: v for k, v in seen.items() if k != "type"}
     # only the keys the recipe gives: the head derives the rest (hidden size, vocab, ...) from
     # the target in from_target, and a default here would override that
-    fields = _convert_fields(given, config_cls, "head")
+    fields = convert_fields(given, config_cls, "head")
     return head_cls, HeadConfig(type=head_type, fields=fields)
 
 
@@ -314,14 +241,14 @@ def _build_loss(node, head_cls, head_fields: dict) -> dict:
     allowed = list(dict.fromkeys(named + config_fields))
     if open_kwargs and isinstance(node, yaml.MappingNode):
         allowed += [k.value for k, _ in node.value if k.value not in allowed]
-    seen = _check_keys(node, allowed, "loss")
-    kw_hints, field_hints = _type_hints(head_cls.loss), _type_hints(head_cls.Config)
+    seen = check_keys(node, allowed, "loss")
+    kw_hints, field_hints = type_hints(head_cls.loss), type_hints(head_cls.Config)
     out = {}
     for k, v in seen.items():
         if k in head_fields:
-            raise RecipeError(f"{_where(v)}: loss.{k}: also set as head.{k}; give it once")
+            raise RecipeError(f"{where(v)}: loss.{k}: also set as head.{k}; give it once")
         tp = kw_hints.get(k, Any) if k in named or k not in config_fields else field_hints.get(k, Any)
-        out[k] = _convert(v, tp, f"loss.{k}")
+        out[k] = convert(v, tp, f"loss.{k}")
     return out
 
 
@@ -333,110 +260,14 @@ def split_loss(head_cls, loss: dict) -> tuple[dict, dict]:
     return fields, {k: v for k, v in loss.items() if k not in fields}
 
 
-def _convert_fields(seen: dict, cls, prefix: str) -> dict:
-    hints = _type_hints(cls)
-    return {k: _convert(v, hints.get(k, Any), f"{prefix}.{k}") for k, v in seen.items()}
-
-
-def _type_hints(obj) -> dict:
-    try:
-        return typing.get_type_hints(obj)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: accept any value
-        return {}
-
-
-_CONSTRUCTOR = yaml.constructor.SafeConstructor()
-
-
-def _scalar(node):
-    return _CONSTRUCTOR.construct_object(node, deep=True)
-
-
-def _convert(node, tp, dotted: str):
-    """Turn a YAML node into a value of type ``tp``, or raise RecipeError naming key + line."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    is_null = isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null")
-    if tp is Any or tp is object:
-        return _CONSTRUCTOR.construct_object(node, deep=True)
-    if origin in (typing.Union, types.UnionType):
-        if is_null and type(None) in args:
-            return None
-        errors = []
-        # try int before float so `warmup: 10` stays a step count
-        for option in sorted((a for a in args if a is not type(None)), key=lambda a: a is float):
-            try:
-                return _convert(node, option, dotted)
-            except RecipeError as err:
-                errors.append(str(err))
-        raise RecipeError(errors[0] if len(errors) == 1 else
-                          f"{_where(node)}: {dotted}: expected {_type_name(tp)}")
-    if is_null:
-        raise RecipeError(f"{_where(node)}: {dotted}: must not be null (expected {_type_name(tp)})")
-    if dataclasses.is_dataclass(tp):
-        names = [f.name for f in dataclasses.fields(tp) if f.init]
-        return tp(**_convert_fields(_check_keys(node, names, dotted), tp, dotted))
-    if origin is Literal:
-        value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
-        if value not in args:
-            raise RecipeError(f"{_where(node)}: {dotted}: expected one of {', '.join(map(repr, args))}, "
-                              f"got {node.value if isinstance(node, yaml.ScalarNode) else node.tag!r}")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(node, yaml.SequenceNode):
-            raise RecipeError(f"{_where(node)}: {dotted}: expected a list ({_type_name(tp)})")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(node.value) != len(args):
-                raise RecipeError(f"{_where(node)}: {dotted}: expected {len(args)} items, got {len(node.value)}")
-            return tuple(_convert(n, a, f"{dotted}[{i}]") for i, (n, a) in enumerate(zip(node.value, args)))
-        item = args[0] if args else Any
-        items = [_convert(n, item, f"{dotted}[{i}]") for i, n in enumerate(node.value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict or tp is dict:
-        if not isinstance(node, yaml.MappingNode):
-            raise RecipeError(f"{_where(node)}: {dotted}: expected a mapping")
-        value_tp = args[1] if len(args) == 2 else Any
-        return {str(k.value): _convert(v, value_tp, f"{dotted}.{k.value}") for k, v in node.value}
-    if not isinstance(node, yaml.ScalarNode):
-        raise RecipeError(f"{_where(node)}: {dotted}: expected {_type_name(tp)}, got a "
-                          f"{'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}")
-    value = _scalar(node)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and node.style is None:  # YAML 1.1 reads `1e-4` as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str) or (node.style is None and not isinstance(value, bool)):
-            return node.value if not isinstance(value, str) else value
-    elif isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise RecipeError(f"{_where(node)}: {dotted}: expected {_type_name(tp)}, got {node.value!r}")
-
-
-def _type_name(tp) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
 def _check_ranges(recipe: Recipe, seen: dict) -> None:
     """Value checks that types cannot express, reported at the section's line."""
     def fail(section: str, key: str, why: str):
         node = seen.get(section)
-        line = _where(node) if node is not None else recipe.source
+        line = where(node) if node is not None else recipe.source
         if isinstance(node, yaml.MappingNode):
             node = next((v for k, v in node.value if k.value == key), node)
-            line = _where(node)
+            line = where(node)
         raise RecipeError(f"{line}: {section}.{key}: {why}")
 
     o, d, out, ds = recipe.optim, recipe.data, recipe.output, recipe.deepspeed
@@ -484,16 +315,29 @@ def resolve_head_class(head_type: str):
 
 def recipe_help() -> str:
     """The sections and their keys with defaults, for ``specdec-train --help``."""
+    import textwrap
+
+    def keys(cls) -> str:
+        out = []
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type) or f.name == "regenerate":
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(f"{f.name}={default!r}" if default not in ("", None) else f.name)
+        return ", ".join(out)
+
+    def entry(name: str, text: str) -> list[str]:
+        return textwrap.wrap(text, 96, initial_indent=f"  {name + ':':<17}", subsequent_indent=" " * 19)
+
     lines = []
     for name in SECTIONS:
         if name == "head":
-            lines.append("  head:      type: <head type>  + that head's Config fields")
-            continue
-        if name == "loss":
-            lines.append("  loss:      loss weights: head Config fields (step_decay, loss_decay, ...) or\n"
-                         "             keyword arguments of the head's loss()")
-            continue
-        cls = type(getattr(Recipe(), name))
-        keys = ", ".join(f.name for f in dataclasses.fields(cls))
-        lines.append(f"  {name + ':':<10} {keys}")
+            lines += entry(name, "type (a registered head type) + that head's Config fields")
+        elif name == "loss":
+            lines += entry(name, "loss weights: head Config fields (step_decay, loss_decay, ...) or "
+                                 "keyword arguments of the head's loss()")
+        else:
+            lines += entry(name, keys(type(getattr(Recipe(), name))))
+            if name == "data":
+                lines += entry("data.regenerate", keys(RegenerateConfig))
     return "\n".join(lines)

@@ -168,8 +168,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                     "write DIR/tokens.npy, DIR/suffix_array.npy (memory-mapped at run time) and "
                     "DIR/header.json. Without --data, all bundled prompt sets are used.\n\n"
                     "example:\n  specdec-data datastore --target smollm2-135m --out runs/rest/bundled",
-        add_arguments=lambda p: __import__("specdec.infer.datastore", fromlist=["_"]).add_datastore_arguments(p),
-        run=lambda a: __import__("specdec.infer.datastore", fromlist=["_"]).datastore_command(a)),
+        # both live in specdec.infer.datastore (REST's owner), imported on use
+        add_arguments=lambda p: __import__("specdec.infer.datastore", fromlist=["x"]).add_datastore_arguments(p),
+        run=lambda a: __import__("specdec.infer.datastore", fromlist=["x"]).datastore_command(a)),
 }
 
 

@@ -24,7 +24,8 @@ import torch
 
 from .batches import OnlineSource, StoreSource
 from .config import Recipe, resolve_head_class, split_loss
-from .trainer import DistInfo, RunLogger, Trainer, barrier, setup_distributed
+from .runlog import RunLogger
+from .trainer import DistInfo, Trainer, barrier, setup_distributed
 
 
 def run(recipe: Recipe, resume: bool | None = None) -> Path:
@@ -50,11 +51,13 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
         train_src, eval_src = capture_sources(recipe, target, spec, train_ds, eval_ds, dist)
         del target  # the head holds its own copies of the frozen parts it needs
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     else:
         train_src, eval_src = OnlineSource(train_ds, target, spec), OnlineSource(eval_ds, target, spec)
     trainer = Trainer(recipe, head, train_src, eval_src, dist)
-    resumed = trainer.restore(resume)
-    logger = RunLogger(recipe, dist.is_main, trainer.state["step"] if resumed else 0)
+    start = trainer.state["step"] if trainer.restore(resume) else 0
+    logger = RunLogger(recipe, dist.is_main, start, finished=start >= trainer.total_steps)
     try:
         trainer.train(logger)
         result = trainer.evaluate()
@@ -101,9 +104,13 @@ def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) 
     g, d = recipe.data.regenerate, recipe.data
     folder = Path(g.dir or Path(recipe.output.dir) / "regenerated")
     folder.mkdir(parents=True, exist_ok=True)
+    # the settings that shape a reply name its file, so a shared cache folder is never stale
+    settings = json.dumps([target.identity(), g.num_prompts, g.max_new_tokens, g.temperature,
+                           recipe.optim.seed, d.format], sort_keys=True)
+    key = hashlib.sha256(settings.encode()).hexdigest()[:8]
     outputs = []
     for path in files:
-        stem = f"{_slug(path)}-n{g.num_prompts if g.num_prompts is not None else 'all'}"
+        stem = f"{_slug(path)}-{key}"
         prompts = folder / f"{stem}.prompts-{dist.rank}-of-{dist.world_size}.jsonl"
         replies = folder / f"{stem}.part-{dist.rank}-of-{dist.world_size}.jsonl"
         if not prompts.exists():  # this process's prompts: conversation i with i % world == rank
@@ -122,7 +129,7 @@ def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) 
             print(f"regenerated {path.name}: {stats}", file=sys.stderr)
     barrier()
     for path in files:
-        stem = f"{_slug(path)}-n{g.num_prompts if g.num_prompts is not None else 'all'}"
+        stem = f"{_slug(path)}-{key}"
         outputs += [folder / f"{stem}.part-{r}-of-{dist.world_size}.jsonl" for r in range(dist.world_size)]
     return [p for p in outputs if p.stat().st_size > 0]
 
@@ -143,8 +150,10 @@ def prepare_data(recipe: Recipe, target, dist: DistInfo):
     parts = []
     for first in (True, False):  # rank 0 tokenises (and caches) first, the others then read it
         if first == dist.is_main:
+            # (no cache without an eval split: datasets cannot reload a saved empty split)
             parts = [prepare_dataset([p], target.tokenizer, max_length=d.max_length, pack=d.pack,
-                                     fmt=fmt, eval_fraction=d.eval_fraction, seed=d.seed, limit=limit)
+                                     fmt=fmt, eval_fraction=d.eval_fraction, seed=d.seed, limit=limit,
+                                     cache=d.eval_fraction > 0)
                      for p, fmt, limit in sources]
         barrier()
     train = concatenate_datasets([p["train"] for p in parts])

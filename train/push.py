@@ -33,10 +33,14 @@ def _offline() -> bool:
 
 
 def check_reachable(endpoint: str, timeout: float = 5.0) -> None:
-    """Fail in seconds, not after the hub client's retries, when the endpoint cannot be reached."""
+    """Fail in seconds, not after the hub client's retries, when the endpoint cannot be reached.
+    Skipped behind a proxy (the client goes through it, a direct connection may not)."""
     url = urlparse(endpoint)
     if url.scheme not in ("http", "https") or not url.hostname:
         raise PushError(f"HF_ENDPOINT {endpoint!r} is not an http(s) URL")
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                       "ALL_PROXY", "all_proxy")):
+        return
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((url.hostname, port), timeout=timeout).close()
@@ -52,7 +56,7 @@ def upload_plan(folder: Path, repo_id: str) -> tuple[list[Path], bytes]:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CARD_FILE
                    and not any(part.startswith(".") for part in p.relative_to(folder).parts))
     if (folder / PROVENANCE_FILE).exists():
-        card = render_model_card(folder, repo_id=repo_id)
+        card = render_model_card(folder, location=repo_id)
     elif (folder / CARD_FILE).exists():
         card = (folder / CARD_FILE).read_text()
     else:
@@ -110,7 +114,10 @@ def describe_failure(err: Exception, endpoint: str, repo_id: str) -> str:
         return f"{where}: HF_HUB_OFFLINE is set (unset it to upload)"
     if isinstance(err, HfHubHTTPError):
         status = getattr(err.response, "status_code", "?")
-        url = getattr(getattr(err, "request", None), "url", "")
+        try:
+            url = err.response.request.url
+        except (AttributeError, RuntimeError):   # a response built without its request
+            url = endpoint
         detail = err.server_message or str(err).splitlines()[0]
         hint = {401: " (log in with `hf auth login` or pass --token / HF_TOKEN)",
                 403: " (the token may not write to this namespace)"}.get(status, "")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import socket
 import sys
 import time
@@ -219,6 +218,8 @@ class Trainer:
             self.state["step"] += 1
             step = self.state["step"]
             means, tokens = self._reduce(sums, tokens)
+            if not math.isfinite(means["loss"]):  # reduced: every process stops together
+                raise FloatingPointError(f"step {step}: loss is {means['loss']} (lower optim.lr?)")
             self.state["tokens"] += tokens
             elapsed = max(time.perf_counter() - started, 1e-9)
             record = {"step": step, **means, "lr": lr,
@@ -248,8 +249,6 @@ class Trainer:
             for k, v in {"loss": loss.detach(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) / self.recipe.optim.grad_accum
             tokens += int(batch["attention_mask"].sum())
-        if not math.isfinite(sums["loss"]):
-            raise FloatingPointError(f"step {step + 1}: loss is {sums['loss']} (lower optim.lr?)")
         return sums, tokens
 
     def _reduce(self, sums: dict, tokens: int) -> tuple[dict, int]:
@@ -315,103 +314,13 @@ class Trainer:
         resolved = self.out / "recipe.resolved.yaml"
         if resolved.exists():
             (final / "recipe.yaml").write_text(resolved.read_text())
-        if result is not None:
-            text = json.dumps({"step": self.state["step"], **result.to_dict()}, indent=2)
-            for where in (self.out / "eval.json", final / "eval.json"):
-                where.write_text(text + "\n")
+        for where in (self.out / "eval.json", final / "eval.json"):
+            if result is None:  # no eval set: never leave an older run's report behind
+                where.unlink(missing_ok=True)
+            else:
+                where.write_text(json.dumps({"step": self.state["step"], **result.to_dict()}, indent=2) + "\n")
         self._say(f"saved the trained head to {final}")
 
     def _say(self, text: str) -> None:
         if self.dist.is_main:
             print(text, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------- run logging
-def wandb_mode(configured: str) -> str:
-    """auto -> $WANDB_MODE if set, else online when logged in, else offline (never blocks)."""
-    if configured != "auto":
-        return configured
-    env = os.environ.get("WANDB_MODE")
-    if env:
-        return env
-    return "online" if _wandb_logged_in() else "offline"
-
-
-def _wandb_logged_in() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    import netrc
-
-    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
-    try:
-        path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-class RunLogger:
-    """``<output.dir>/metrics.jsonl`` (one JSON line per logged step / eval) + wandb, rank 0 only.
-
-    On resume from step S the lines a killed run wrote after S are dropped, so the file always
-    reads as one uninterrupted run; the wandb run id is kept in the output dir and reused.
-    """
-
-    def __init__(self, recipe: Recipe, is_main: bool, resume_step: int = 0):
-        self.is_main = is_main
-        self.out = Path(recipe.output.dir)
-        self.path = self.out / "metrics.jsonl"
-        self.run = None
-        if not is_main:
-            return
-        self._truncate(resume_step)
-        mode = wandb_mode(recipe.wandb.mode)
-        if mode != "disabled":
-            self.run = self._init_wandb(recipe, mode)
-
-    def _truncate(self, resume_step: int) -> None:
-        if not self.path.exists():
-            return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in keep))
-
-    def _init_wandb(self, recipe: Recipe, mode: str):
-        import wandb
-
-        id_file = self.out / "wandb-run-id"
-        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
-        id_file.write_text(run_id + "\n")
-        w = recipe.wandb
-        kwargs = dict(project=w.project, name=w.name or self.out.name, entity=w.entity,
-                      tags=list(w.tags) or None, dir=str(self.out), config=recipe.to_dict(),
-                      id=run_id, resume="allow")
-        try:
-            return wandb.init(mode=mode, **kwargs)
-        except Exception as err:  # noqa: BLE001 - a logging backend must not kill training
-            print(f"wandb {mode} failed ({err}); logging offline instead", file=sys.stderr)
-            return wandb.init(mode="offline", **kwargs)
-
-    def _write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def log_train(self, record: dict) -> None:
-        if not self.is_main:
-            return
-        self._write({"kind": "train", **record})
-        if self.run is not None:
-            self.run.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=record["step"])
-
-    def log_eval(self, step: int, result: EvalResult) -> None:
-        if not self.is_main:
-            return
-        flat = result.flat_metrics()
-        self._write({"kind": "eval", "step": step, **flat})
-        if self.run is not None:
-            self.run.log(flat, step=step)
-
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None

@@ -30,9 +30,16 @@ class DrafterError(ValueError):
 
 
 def training_free_methods() -> list[str]:
-    """Methods implemented as modules in this package (pld, lookahead, rest, hybrid, ...)."""
+    """Methods implemented as modules in this package (pld, lookahead, rest, hybrid, ...):
+    every public module that defines a factory (helper modules without one are not methods)."""
     here = Path(__file__).parent
-    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_"))
+    names = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_"))
+    return [n for n in names if _factory(n) is not None]
+
+
+def _factory(name: str):
+    module = importlib.import_module(f"{__name__}.{name}")
+    return getattr(module, "make_drafter", None) or getattr(module, "DRAFTER", None)
 
 
 def available_methods() -> list[str]:
@@ -51,11 +58,7 @@ def make_drafter(method: str, target, head=None, **opts):
     if method in training_free_methods():
         if head is not None:
             raise DrafterError(f"method {method!r} is training-free and takes no head")
-        module = importlib.import_module(f"{__name__}.{method}")
-        factory = getattr(module, "make_drafter", None) or getattr(module, "DRAFTER", None)
-        if factory is None:
-            raise DrafterError(f"{module.__name__} defines neither make_drafter() nor DRAFTER")
-        return factory(target, **opts)
+        return _factory(method)(target, **opts)
     raise DrafterError(f"unknown method {method!r}; available: {', '.join(available_methods())}")
 
 

@@ -21,12 +21,13 @@ class GenericCausalLM:
     def __init__(self, model, dtype: torch.dtype, device):
         from transformers import DynamicCache
 
-        param = next(model.parameters())
-        if param.dtype != dtype or param.device != torch.device(device):
+        param, want = next(model.parameters()), torch.device(device)
+        same_device = param.device.type == want.type and want.index in (None, param.device.index)
+        if param.dtype != dtype or not same_device:
             raise ValueError(
                 f"the generic path runs the HF model as loaded ({param.dtype} on {param.device}); "
                 f"load the target with dtype={dtype} on {device} instead")
-        self.model, self.dtype, self.device = model, dtype, torch.device(device)
+        self.model, self.dtype, self.device = model, dtype, param.device
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.has_logits_to_keep = "logits_to_keep" in params

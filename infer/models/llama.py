@@ -2,7 +2,8 @@
 
 Plain eager PyTorch with no HF wrapper on the hot path: q/k/v and gate/up weights are
 concatenated once (one matmul each), attention is one SDPA call over the static cache with a
-boolean tree mask and ``enable_gqa``, and the cache is written in place (``StepAccess``). Every
+boolean tree mask (GQA by folding query groups, no K/V repeat), and the cache is written in
+place (``StepAccess``). Every
 detail that differs inside the family is read from the HF modules themselves, so this file
 computes exactly what HF computes:
 
@@ -117,6 +118,7 @@ class _Layer:
         self.gate_up_w, self.gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
         self.down_w, self.down_b = _cast(mlp.down_proj.weight, dtype, device), _cast(mlp.down_proj.bias, dtype, device)
         self.act = mlp.act_fn
+        self.group = self.n_heads // self.n_kv  # query heads per kv head
         self.splits = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
 
 
@@ -166,17 +168,19 @@ class LeanCausalLM:
         x = F.embedding(tokens, self.embed)                                  # [B, N, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        self._rope_table(int(positions.max()) + 1)
+        self._rope_table(max(access.base_list) + n)  # bounds every position, no device sync
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, N, 1, hd]
-        masks: dict[int | None, Tensor] = {}
+        masks: dict[tuple, Tensor] = {}  # (window, group) -> mask, built once per forward
         keep = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 keep[i] = x
-            if layer.window not in masks:
-                masks[layer.window] = tree_attention_mask(access.base_lens, tree_mask, access.kv_len,
-                                                          positions=positions, window=layer.window)
-            x = self._layer(i, layer, x, cos, sin, access, masks[layer.window])
+            key = (layer.window, layer.group)
+            if key not in masks:
+                mask = tree_attention_mask(access.base_lens, tree_mask, access.kv_len,
+                                           positions=positions, window=layer.window)   # [B, 1, N, L]
+                masks[key] = mask.repeat(1, 1, layer.group, 1)                       # [B, 1, g*N, L]
+            x = self._layer(i, layer, x, cos, sin, access, masks[key])
         x = self.norm(x)                                                     # [B, N, H] post-norm
         keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output
         rows = x if logits_rows is None else x[torch.arange(bsz, device=x.device), logits_rows]
@@ -195,9 +199,12 @@ class LeanCausalLM:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         access.write(i, k, v)
         keys, values = access.read(i)                                        # [B, kv, L, hd]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             scale=layer.scaling, enable_gqa=layer.n_kv != layer.n_heads)
-        out = out.transpose(1, 2).reshape(bsz, n, layer.n_heads * layer.head_dim)
+        # GQA by folding each kv head's query group into the query axis: head h = kv*g + j reads
+        # kv head h // g (HF's repeat_kv), so [B, h, N, hd] -> [B, kv, g*N, hd]. Same maths as
+        # enable_gqa, but ~3x faster for bf16 decoding on CPU (one kernel call per kv head).
+        q = q.transpose(1, 2).reshape(bsz, layer.n_kv, layer.group * n, layer.head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
+        out = out.view(bsz, layer.n_heads, n, layer.head_dim).transpose(1, 2).reshape(bsz, n, -1)
         x = x + F.linear(out, layer.o_w, layer.o_b)
         gate, up = F.linear(layer.ln2(x), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
         return x + F.linear(layer.act(gate) * up, layer.down_w, layer.down_b)

@@ -180,9 +180,10 @@ def test_plain_greedy_equals_hf_generate(tiny_target, impl):
     assert out == ref
 
 
-def test_batched_and_chunked_prefill_match_single(tiny_target):
+@pytest.mark.parametrize("impl", ["lean", "generic"])
+def test_batched_and_chunked_prefill_match_single(tiny_target, impl):
     spec = FeatureSpec(hidden=True, aux_layers=(0, 3))
-    runner = TargetRunner(tiny_target, max_batch=4, max_len=64, feature_spec=spec)
+    runner = TargetRunner(tiny_target, max_batch=4, max_len=64, feature_spec=spec, impl=impl)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(256, (n,), generator=gen) for n in (3, 17, 9)]
     logits, feats = runner.prefill_batch([0, 1, 2], prompts)

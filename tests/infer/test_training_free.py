@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
                                      default_datastore)
@@ -218,7 +219,6 @@ def test_datastore_subcommand(tiny_target_dir, tmp_path):
 class FixedHead:
     """A head drafter that always proposes root -> 50 -> 51 and root -> 60, with confidences."""
 
-    from specdec.heads.base import FeatureSpec
     feature_spec = FeatureSpec(hidden=True)
 
     def __init__(self):
@@ -282,7 +282,8 @@ def plain_outputs(tiny_target):
 def echo_datastore(tiny_target, plain_outputs, tmp_path_factory):
     """A datastore of the target's own answers: REST's drafts then get accepted often."""
     tok = tiny_target.tokenizer
-    docs = [tok(o.text, add_special_tokens=False)["input_ids"] for o in plain_outputs] + [o.token_ids for o in plain_outputs]
+    docs = [tok(o.text, add_special_tokens=False)["input_ids"] for o in plain_outputs]
+    docs += [o.token_ids for o in plain_outputs]
     return build_datastore(docs, tmp_path_factory.mktemp("echo") / "ds", tok)
 
 

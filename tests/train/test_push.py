@@ -1,9 +1,10 @@
 """specdec-push against a local HTTP stand-in for the Hugging Face Hub (HF_ENDPOINT).
 
-The app answers the three calls an upload makes (huggingface_hub 2.x): POST /api/repos/create,
-POST /api/models/{ns}/{name}/preupload/{rev} (every file "regular", i.e. sent inline) and
+The app answers the calls an upload makes (huggingface_hub 2.x): POST /api/repos/create,
+POST /api/validate-yaml (the client checks a README.md's metadata before committing it),
+POST /api/models/{ns}/{name}/preupload/{rev} (every file "regular", i.e. sent inline),
 POST /api/models/{ns}/{name}/commit/{rev} (NDJSON: a header line, then one line per file with
-base64 content), and records what arrives. Failures: the commit answering 500, a closed port,
+base64 content) and POST /api/models/{ns}/{name}/branch/{rev}, and records what arrives. Failures: the commit answering 500, a closed port,
 HF_HUB_OFFLINE=1. The local export must be byte-identical afterwards.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.created: list[dict] = []
         self.commits: list[dict] = []
+        self.cards: list[str] = []
         self.fail_commit = False
         hub = self
 
@@ -67,6 +69,9 @@ class FakeHub:
                                         "header": header, "files": files})
                     return self._reply(200, {"commitUrl": f"{hub.url}/{parts[2]}/{parts[3]}/commit/1",
                                              "commitOid": "1" * 40, "pullRequestUrl": None})
+                if parts[:2] == ["api", "validate-yaml"]:   # the client checks the card's metadata
+                    hub.cards.append(json.loads(body)["content"])
+                    return self._reply(200, {"errors": [], "warnings": []})
                 if len(parts) >= 6 and parts[:2] == ["api", "models"] and parts[4] == "branch":
                     return self._reply(200, {})
                 return self._reply(404, {"error": f"no route {self.path}"})
@@ -107,7 +112,8 @@ def export_dir(tmp_path_factory, tiny_target):
         "target: {name: tiny-llama, dtype: float32}\nhead: {type: medusa, num_heads: 2}\n"
         "data: {files: ['bundled:gsm8k'], max_length: 256, limit: 8, regenerate: {enabled: true}}\n"
         "optim: {lr: 0.001, epochs: 1, max_steps: 40}\n")
-    return export_head(root / "head", "tgi", root / "export", target=tiny_target)
+    return export_head(root / "head", "tgi", root / "export", target=tiny_target,
+                       verifier="acme/tiny-llama")
 
 
 def folder_hash(folder: Path) -> str:
@@ -123,7 +129,8 @@ def test_push_uploads_files_and_card(hub, export_dir, capsys):
     before = folder_hash(export_dir)
     assert main([str(export_dir), "--repo-id", "acme/tiny-medusa", "--private"]) == 0
     assert hub.created and hub.created[0]["name"] == "tiny-medusa"
-    assert hub.created[0]["organization"] == "acme" and hub.created[0]["private"] is True
+    assert hub.created[0]["organization"] == "acme"
+    assert hub.created[0].get("visibility", "private" if hub.created[0].get("private") else "") == "private"
     (commit,) = hub.commits
     assert commit["repo"] == "acme/tiny-medusa" and commit["revision"] == "main"
     for name in ("config.json", "medusa_lm_head.safetensors", "specdec.json", "eval.json",
@@ -133,7 +140,8 @@ def test_push_uploads_files_and_card(hub, export_dir, capsys):
     assert "acme/tiny-medusa" in card                     # the usage snippet names the repo
     assert "| 1 | 0.500 | 0.500 | 30 / 60 |" in card      # the acceptance table
     assert "tau = 1.700" in card and "bundled:gsm8k" in card and "lr 0.001" in card
-    assert "tiny" in card and "medusa" in commit["header"]["summary"]
+    assert "base_model: acme/tiny-llama" in card and "medusa" in commit["header"]["summary"]
+    assert hub.cards == [card]                            # the card's metadata was validated
     assert folder_hash(export_dir) == before
     assert "uploaded" in capsys.readouterr().out
 

@@ -83,22 +83,24 @@ def export_head(head_dir, fmt: str, out, *, target=None, verifier: str | None = 
     if out.exists() and not force:
         raise ExportError(f"{out} already exists: choose another --out or pass --force to replace it")
     tgt = load_export_target(cfg, target)
-    if verifier:
-        tgt.export_verifier = verifier   # read by export_common.verifier_ref
     head = load_head(head_dir, tgt)
     if dtype is not None:
         head.to(getattr(torch, dtype))
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
+    previous = getattr(tgt, "export_verifier", None)
+    tgt.export_verifier = verifier or previous   # read by export_common.verifier_ref
     try:
         head.export(fmt, partial, tgt)
         copy_records(head_dir, partial)
-        write_card(partial)
+        write_card(partial, location=str(out.resolve()))
         _move_into_place(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        tgt.export_verifier = previous
     return out
 
 

@@ -1,0 +1,210 @@
+"""The DeepSpeed trainer: every head learns on a tiny recipe; resume after kill -9 is exact;
+2 data-parallel processes reproduce the 1-process loss curve."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.heads import head_types, load_head
+from specdec.train.batches import GlobalBatchPlan
+from specdec.train.evaluate import calibration_sums, calibration_table, expected_accepted_length
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny"
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def metrics(out: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def train_losses(out: Path) -> list[float]:
+    return [r["loss"] for r in metrics(out, "train")]
+
+
+def eval_taus(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["eval/tau"]) for r in metrics(out, "eval")]
+
+
+# ----------------------------------------------------------------------------- pure logic
+
+def test_batch_plan_is_independent_of_world_size():
+    """1 process x 2 accumulation steps and 2 processes x 1 step read the same micro-batches."""
+    lengths = [int(x) for x in torch.randint(5, 50, (37,))]
+    one = GlobalBatchPlan(37, 3, 2, world_size=1, rank=0, seed=1, lengths=lengths)
+    two = [GlobalBatchPlan(37, 3, 1, world_size=2, rank=r, seed=1, lengths=lengths) for r in range(2)]
+    assert one.steps_per_epoch == two[0].steps_per_epoch == 37 // 6
+    for step in range(3 * one.steps_per_epoch):  # several epochs
+        assert one.micro_batch(step, 0) == two[0].micro_batch(step, 0)
+        assert one.micro_batch(step, 1) == two[1].micro_batch(step, 0)
+    epoch = [i for s in range(one.steps_per_epoch) for a in range(2) for i in one.micro_batch(s, a)]
+    assert len(set(epoch)) == len(epoch) == 36  # each sequence at most once per epoch
+
+
+def test_tau_and_calibration():
+    # conditional acceptances 0.8, 0.5: tau = 1 + 0.8 + 0.4
+    assert expected_accepted_length([0.8, 0.5]) == pytest.approx(2.2)
+    sums = calibration_sums([0.05, 0.05, 0.95, 0.95], [0, 1, 1, 1], bins=10)
+    rows, ece = calibration_table(sums)
+    assert [r["n"] for r in rows] == [2, 2]
+    assert ece == pytest.approx(0.5 * abs(0.05 - 0.5) + 0.5 * abs(0.95 - 1.0))
+
+
+def test_wandb_mode_is_offline_unless_logged_in(monkeypatch, tmp_path):
+    from specdec.train.runlog import wandb_mode
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no credentials file
+    assert wandb_mode("auto") == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password KEY\n")
+    assert wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode("auto") == "disabled"
+    assert wandb_mode("offline") == "offline"  # the recipe's explicit choice wins
+
+
+# ----------------------------------------------------------------------------- in-process runs
+
+@pytest.mark.parametrize("head_type", sorted(head_types()))
+def test_tiny_recipe_loss_goes_down(head_type, tmp_path, tiny_target):
+    recipe_file = TINY / f"{head_type}.yaml"
+    if not recipe_file.exists():
+        pytest.skip(f"no tiny recipe for {head_type}")
+    from specdec.infer.target import load_target
+    from specdec.train.config import load_recipe
+    from specdec.train.pipeline import run
+
+    out = tmp_path / "run"
+    recipe = load_recipe(recipe_file, [f"output.dir={out}", "wandb.mode=disabled", "optim.max_steps=10",
+                                       "output.save_every=0", "data.limit=40"])
+    final = run(recipe, resume=False)
+    losses = train_losses(out)
+    assert len(losses) == 10
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 * 0.98, losses
+    report = json.loads((final / "eval.json").read_text())
+    assert len(report["acceptance"]) == recipe.output.eval_depth and report["tau"] >= 1.0
+    assert (out / "recipe.resolved.yaml").exists() and (final / "recipe.yaml").exists()
+    head = load_head(final, load_target("tiny-llama"))  # the saved head rebuilds on its target
+    assert type(head).head_type() == head_type
+
+
+def test_online_features_train_like_captured_ones(tmp_path, tiny_target):
+    """mode: online (target in the loop) sees the same features as an offline capture."""
+    from specdec.train.config import load_recipe
+    from specdec.train.pipeline import run
+
+    curves = {}
+    for mode in ("offline", "online"):
+        out = tmp_path / mode
+        recipe = load_recipe(TINY / "eagle3.yaml", [f"output.dir={out}", f"data.mode={mode}", "data.limit=24",
+                                                    "optim.max_steps=4", "output.save_every=0",
+                                                    "wandb.mode=disabled"])
+        run(recipe, resume=False)
+        curves[mode] = train_losses(out)
+    assert not (tmp_path / "online" / "features").exists()
+    assert curves["online"] == pytest.approx(curves["offline"], rel=1e-4)
+
+
+def test_explicit_resume_without_checkpoint_fails(tmp_path):
+    from specdec.train.cli import main
+
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        main([str(TINY / "eagle3.yaml"), f"output.dir={tmp_path}", "data.limit=24", "optim.max_steps=2",
+              "wandb.mode=disabled", "--resume"])
+
+
+# ----------------------------------------------------------------------------- subprocess runs
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}  # no in-process group leaks
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+RUN_ARGS = ["optim.max_steps=6", "optim.micro_batch_size=2", "output.save_every=2", "data.limit=32",
+            "output.eval_depth=2", "output.eval_every=3"]
+KILL_DRIVER = """
+import os, signal, sys
+from specdec.train import trainer
+real_step = trainer.Trainer._one_step
+def one_step(self, step):
+    if step == 3:  # after the checkpoint at step 2 and one more logged step: die like kill -9
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_step(self, step)
+trainer.Trainer._one_step = one_step
+from specdec.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _train(out: Path, *extra: str, launcher=(sys.executable, "-m", "specdec.train.cli"), check=True):
+    cmd = [*launcher, str(TINY / "eagle3.yaml"), f"output.dir={out}", *RUN_ARGS, *extra]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    """Uninterrupted 1-process run: global batch 4 = 2 sequences x 2 accumulation steps."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    _train(out, "optim.grad_accum=2")
+    return out
+
+
+def _final_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_resume_after_kill_reproduces_the_uninterrupted_run(reference_run, tmp_path):
+    out = tmp_path / "run"
+    driver = tmp_path / "kill_driver.py"
+    driver.write_text(KILL_DRIVER)
+    killed = _train(out, "optim.grad_accum=2", launcher=(sys.executable, str(driver)), check=False)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (out / "final").exists()
+    assert len(train_losses(out)) == 3  # step 3 ran after the last checkpoint and is redone
+    resumed = _train(out, "optim.grad_accum=2")
+    assert "resumed from" in resumed.stderr and "step-00000002" in resumed.stderr
+    assert train_losses(out) == pytest.approx(train_losses(reference_run), rel=1e-6, abs=1e-7)
+    assert eval_taus(out) == eval_taus(reference_run) and [s for s, _ in eval_taus(out)] == [3, 6]
+    ref, got = _final_weights(reference_run), _final_weights(out)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7, msg=name)
+    # checkpoints: the newest keep_last (2) complete ones survive; wandb logged offline
+    tags = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert tags == ["step-00000004", "step-00000006"]
+    assert any((out / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(reference_run, tmp_path):
+    """2 data-parallel processes x 1 micro-batch = the same global batch as the reference."""
+    out = tmp_path / "run"
+    from specdec.train.trainer import _free_port
+
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(_free_port()), "-m", "specdec.train.cli")
+    _train(out, "optim.grad_accum=1", "wandb.mode=disabled", launcher=launcher)
+    assert train_losses(out) == pytest.approx(train_losses(reference_run), rel=1e-4)
+    assert [s for s, _ in eval_taus(out)] == [3, 6]
+    eval_1 = json.loads((reference_run / "eval.json").read_text())
+    eval_2 = json.loads((out / "eval.json").read_text())
+    assert eval_2["count"] == eval_1["count"]  # the eval shards add up to the whole eval set
+    assert eval_2["tau"] == pytest.approx(eval_1["tau"], abs=1e-3)
+    ref, got = _final_weights(reference_run), _final_weights(out)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-3, atol=1e-4, msg=name)
