@@ -125,10 +125,18 @@ class DraftHead(nn.Module):
         self.has_target_parts = not self.FROZEN_PARTS
 
     # --- construction -------------------------------------------------------------------------
+    # The `--method` name users type for this head (specdec-generate / specdec-bench);
+    # None means the registry key itself. Set it for a shorter, conventional name ("mlp").
+    METHOD: ClassVar[str | None] = None
+
     @classmethod
     def head_type(cls) -> str:
         """Registry key = the defining module's name (heads/<name>.py)."""
         return cls.__module__.rsplit(".", 1)[-1]
+
+    @classmethod
+    def method_name(cls) -> str:
+        return cls.METHOD or cls.head_type()
 
     @classmethod
     def target_config(cls, target) -> dict[str, Any]:

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_linear, init_linear_,
                    llama_dims, shift_left, target_part)
+from .common import chain_acceptance, check_drafter_opts, label_mask, mean_loss, top1_of
 from .layers import DecoderLayer, RMSNorm, Rotary, SlotKVCache
-from .medusa import chain_acceptance, check_drafter_opts, label_mask, mean_loss, top1_of
 from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree
 
 
@@ -78,6 +78,7 @@ class DraftModel(nn.Module):
 
 
 class DraftLMHead(DraftHead):
+    METHOD = "sps"  # speculative-decoding name users type (--method sps)
     Config = DraftLMConfig
     FROZEN_PARTS = {"target_lm_head": "lm_head"}
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from .base import (DraftHead, FeatureSpec, acceptance_stats, chunked_logit_loss, chunked_top1,
                    depth_valid_mask, frozen_embedding, frozen_linear, init_linear_, llama_dims,
                    masked_mean, shift_left, target_argmax)
+from .common import mean_loss
 from .layers import DecoderLayer, Rotary, SlotKVCache
 from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree, num_dynamic_candidates
 
@@ -130,7 +131,9 @@ class EagleFamily(DraftHead):
 
 
 @dataclass
-class EagleConfig:
+class EagleLayerConfig:
+    """The draft decoder layer's Llama dimensions (the target's, from `llama_dims`), the fields
+    EAGLE's and EAGLE-3's configs start with."""
     hidden_size: int = 0
     vocab_size: int = 0
     num_attention_heads: int = 0
@@ -140,6 +143,10 @@ class EagleConfig:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 4096
+
+
+@dataclass
+class EagleConfig(EagleLayerConfig):
     fc_bias: bool = False         # vLLM's EAGLE loader has no fc.bias; EAGLE's own code uses True
     feature_weight: float = 1.0   # smooth-L1 on features (EAGLE's v_w)
     token_weight: float = 0.1     # soft CE through the frozen LM head (EAGLE's p_w)
@@ -197,7 +204,7 @@ class EagleHead(EagleFamily):
             v = valid[k]
             fl = masked_mean(F.smooth_l1_loss(out, target, reduction="none").mean(-1), v)
             lt = chunked_logit_loss(out[v], self.lm_head.weight, teacher_h=target[v])
-            tl = lt.loss.mean() if lt.loss.numel() else out.sum() * 0.0
+            tl = mean_loss(lt.loss, out)
             total = total + c.step_decay ** k * (c.feature_weight * fl + c.token_weight * tl)
             metrics[f"feature_loss_{k}"] = float(fl.detach())
             metrics[f"token_loss_{k}"] = float(tl.detach())

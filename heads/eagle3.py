@@ -16,14 +16,15 @@ does. Parameter names are vLLM's / speculators' (`fc.weight`, `layers.0.hidden_n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .base import (FeatureSpec, chunked_logit_loss, depth_valid_mask, frozen_embedding,
                    frozen_linear, init_linear_, masked_mean, shift_left, target_part)
-from .eagle import EagleFamily
+from .common import mean_loss
+from .eagle import EagleFamily, EagleLayerConfig
 from .layers import MLP, Attention, RMSNorm
 
 DEFAULT_DRAFT_VOCAB = 8192
@@ -35,16 +36,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 
 @dataclass
-class Eagle3Config:
-    hidden_size: int = 0
-    vocab_size: int = 0
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-    intermediate_size: int = 0
-    rms_norm_eps: float = 1e-6
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 4096
+class Eagle3Config(EagleLayerConfig):
     num_target_layers: int = 0
     aux_layers: list[int] | None = None   # default [2, L//2, L-3]
     draft_vocab_size: int = DEFAULT_DRAFT_VOCAB  # clamped to the target vocab by from_target
@@ -206,7 +198,7 @@ class Eagle3Head(EagleFamily):
                 teacher = dict(topk_values=shift_left(batch["topk_values"], k + 1)[v],
                                topk_indices=t2d_idx[idx])
             lt = chunked_logit_loss(student, self.lm_head.weight, **teacher)
-            step_loss = lt.loss.mean() if lt.loss.numel() else out.sum() * 0.0
+            step_loss = mean_loss(lt.loss, out)
             total = total + c.step_decay ** k * step_loss
             metrics[f"token_loss_{k}"] = float(step_loss.detach())
             metrics[f"acc_{k}"] = float((lt.top1 == lt.teacher_top1).float().mean()) if lt.loss.numel() else 0.0

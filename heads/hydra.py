@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_embedding, frozen_linear,
                    shift_left)
 from .layers import ResBlock
-from .medusa import (LastHiddenDrafter, chain_acceptance, check_drafter_opts, label_mask,
-                     logits_with_bias, mean_loss, top1_of, zero_block_biases_)
+from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+                     label_mask, logits_with_bias, top1_of, zero_block_biases_)
 from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree
 
 
@@ -117,11 +117,7 @@ class HydraHead(DraftHead):
             z = self.hydra_mlp[k](self.prefix_inputs(k, h, emb, valid))     # [N, H]
             x, w = logits_with_bias(z, self.hydra_lm_head[k])
             r = chunked_logit_loss(x, w, teacher_ids=shift_left(ids, k + 2)[valid])
-            lk = mean_loss(r.loss, z)
-            total = total + self.config.loss_decay ** k * lk
-            metrics[f"loss_{k}"] = float(lk.detach())
-            if r.top1.numel():
-                metrics[f"top1_{k}"] = float((r.top1 == r.teacher_top1).float().mean())
+            total = add_depth_loss(total, metrics, k, self.config.loss_decay ** k, r, z)
         metrics["loss"] = float(total.detach())
         return total, metrics
 

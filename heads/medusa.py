@@ -16,20 +16,20 @@ Loss: sum_k 0.8^k · CE(head k at t, token t+k+2), position t counting iff loss_
 label becomes the target's own distribution over that token, softmax(lm_head(h_{t+k+1})) (or the
 captured top-k logits at t+k+1).
 
-This module also holds the few helpers the other "read the last hidden state" heads (hydra,
-mlp_speculator, redrafter, draft_lm) share: `label_mask`, `chain_acceptance`,
-`LastHiddenDrafter`, `check_drafter_opts`, `logits_with_bias`.
+The helpers it shares with the other "read the last hidden state" heads (label masks, chain
+acceptance, `LastHiddenDrafter`, ...) live in heads/common.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .base import (DraftHead, FeatureSpec, acceptance_stats, chunked_logit_loss, depth_valid_mask,
-                   frozen_linear, shift_left, target_argmax)
+from .base import DraftHead, FeatureSpec, chunked_logit_loss, frozen_linear, shift_left
+from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+                     label_mask, top1_of, zero_block_biases_)
 from .layers import ResBlock
 from .tree import DraftTree, StaticTree, TreeBudget, static_tree
 
@@ -54,129 +54,6 @@ MEDUSA_CPU_CHOICES = [
     (3, 0), (6,), (1, 0, 0)]
 
 TREES = {"cpu": MEDUSA_CPU_CHOICES, "gpu": MC_SIM_7B_63, "mc_sim_7b_63": MC_SIM_7B_63}
-
-# Options any drafter accepts and may ignore: sampling settings the engine passes to every method,
-# and the cache sizes a drafter with its own KV cache (draft_lm) allocates up front.
-COMMON_OPTS = frozenset({"temperature", "top_p", "top_k", "seed", "max_batch", "max_len"})
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers shared by the heads of this family
-# ----------------------------------------------------------------------------------------------
-def label_mask(batch: dict[str, Tensor], offset: int) -> Tensor:
-    """valid [B, T]: position t is trained to predict token t+offset iff that token exists, is
-    real and has loss_mask == 1 (offset 1 is the project convention "loss_mask[t+1] gates t")."""
-    lm = batch["loss_mask"].bool()
-    if "attention_mask" in batch:
-        lm = lm & batch["attention_mask"].bool()
-    return shift_left(lm, offset, fill=False)
-
-
-def logits_with_bias(x: Tensor, linear: nn.Linear) -> tuple[Tensor, Tensor]:
-    """(x', W') with x' @ W'.T == linear(x), for `chunked_logit_loss` (which takes no bias):
-    a ones column on x [N, H] and the bias as an extra column of W [V, H] -> [N, H+1], [V, H+1]."""
-    if linear.bias is None:
-        return x, linear.weight
-    ones = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
-    return torch.cat([x, ones], -1), torch.cat([linear.weight, linear.bias[:, None]], 1)
-
-
-def mean_loss(rows_loss: Tensor, anchor: Tensor) -> Tensor:
-    """Mean of per-row losses; an empty selection gives 0 that still reaches `anchor`'s graph."""
-    if rows_loss.numel() == 0:
-        return anchor.sum() * 0.0
-    return rows_loss.mean()
-
-
-PredictFn = Callable[[int, Tensor], "tuple[Tensor, Tensor] | None"]
-
-
-@torch.no_grad()
-def chain_acceptance(batch: dict[str, Tensor], depth: int, lm_head_weight: Tensor,
-                     predict: PredictFn) -> dict:
-    """Teacher-forced acceptance for any head: `predict(d, rows)` gives the draft's top-1 token
-    [N] and its probability [N] at depth d (1-based) for the chains starting at the positions
-    `rows` [B, T] bool (the chain at t reads the true tokens up to t+d), or None when the head
-    cannot draft that deep. Compared with the target's argmax at position t+d."""
-    valid = depth_valid_mask(batch, depth)                                # [D, B, T]
-    argmax = target_argmax(batch, lm_head_weight)                         # [B, T]
-    pred = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
-    conf = torch.zeros(valid.shape, device=valid.device)
-    for d in range(1, depth + 1):
-        rows = valid[d - 1]
-        if not rows.any():
-            continue
-        out = predict(d, rows)
-        if out is None:
-            valid[d - 1:] = False     # the head cannot draft this deep: not scored
-            break
-        pred[d - 1][rows] = out[0].to(pred.device)
-        conf[d - 1][rows] = out[1].float().to(conf.device)
-    target = torch.stack([shift_left(argmax, d, fill=-1) for d in range(1, depth + 1)])
-    return acceptance_stats(pred, conf, target, valid)
-
-
-def top1_of(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Top-1 token and its probability of logits x @ weight.T, chunked over rows. x [N, H]."""
-    r = chunked_logit_loss(x, weight, teacher_ids=torch.zeros(x.shape[0], dtype=torch.long,
-                                                                 device=x.device))
-    return r.top1, r.conf
-
-
-def zero_block_biases_(module: nn.Module) -> None:
-    """ResBlocks start as the exact identity: Medusa zeroes the weight, and SiLU(0 + b) = 0 needs
-    the bias zeroed too."""
-    for m in module.modules():
-        if isinstance(m, ResBlock):
-            nn.init.zeros_(m.linear.bias)
-
-
-def check_drafter_opts(opts: dict, known: Sequence[str], head_type: str) -> None:
-    unknown = sorted(set(opts) - set(known) - COMMON_OPTS)
-    if unknown:
-        raise ValueError(f"unknown {head_type} drafter option(s) {unknown}; "
-                         f"known: {sorted(set(known) | COMMON_OPTS)}")
-
-
-class LastHiddenDrafter:
-    """Drafter state for heads that read only the target's final hidden state at the last
-    committed token (Medusa, Hydra, MLPSpeculator, ReDrafter): one [H] vector per slot."""
-
-    def __init__(self, head: DraftHead):
-        head.require_target_parts()
-        self.head = head.eval()
-        p = next(head.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.feature_spec = FeatureSpec(hidden=True)
-        self._last: dict[int, Tensor] = {}
-
-    def reset(self, max_batch: int, max_len: int) -> None:
-        self._last.clear()
-
-    def prefill(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
-        self._keep(slot, features)
-
-    def commit(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
-        self._keep(slot, features)
-
-    def release(self, slot: int) -> None:
-        self._last.pop(int(slot), None)
-
-    def _keep(self, slot: int, features: dict[str, Tensor]) -> None:
-        h = features.get("hidden")
-        if h is None or h.ndim != 2 or h.shape[0] == 0:
-            got = None if h is None else tuple(h.shape)
-            raise ValueError(f"{self.head.head_type()} drafter needs features['hidden'] [n, H] "
-                             f"with n >= 1, got {got}")
-        self._last[int(slot)] = h[-1].detach().to(self.device, self.dtype)
-
-    def hidden(self, slots: Tensor) -> Tensor:
-        """[B, H] the last committed hidden state of each slot."""
-        ids = [int(s) for s in slots.tolist()]
-        missing = [s for s in ids if s not in self._last]
-        if missing:
-            raise KeyError(f"slot(s) {missing} have no prefilled sequence")
-        return torch.stack([self._last[s] for s in ids])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,11 +129,7 @@ class MedusaHead(DraftHead):
                 teacher = {"teacher_h": shift_left(h, k + 1)[valid],
                            "teacher_weight": self.target_lm_head.weight}
             r = chunked_logit_loss(x, seq[-1].weight, **teacher)
-            lk = mean_loss(r.loss, x)
-            total = total + self.config.loss_decay ** k * lk
-            metrics[f"loss_{k}"] = float(lk.detach())
-            if r.top1.numel():
-                metrics[f"top1_{k}"] = float((r.top1 == r.teacher_top1).float().mean())
+            total = add_depth_loss(total, metrics, k, self.config.loss_decay ** k, r, x)
         metrics["loss"] = float(total.detach())
         return total, metrics
 

@@ -31,52 +31,9 @@ from torch import Tensor, nn
 
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_linear, shift_left,
                    target_argmax)
-from .medusa import (LastHiddenDrafter, chain_acceptance, check_drafter_opts, label_mask,
-                     mean_loss, top1_of)
-from .tree import DraftTree, TreeBudget
-
-
-def tree_from_paths(roots: Tensor, paths: Tensor, scores: Tensor, max_nodes: int) -> DraftTree:
-    """Merge candidate continuations into one prefix tree per sequence (dedupe shared prefixes).
-
-    roots [B]; paths [B, P, D] long, candidates best first; scores [B, P, D] float, the
-    cumulative probability of each prefix (a prefix's score does not depend on the path it came
-    from). Paths are merged in order; nodes are added until `max_nodes` draft nodes exist (a
-    path may be cut short). Rows are padded to the longest tree (valid False, parent 0).
-    Example: paths [[a b c], [a b d], [a e f]] -> nodes root, a, b, c, d, e, f with parents
-    [-1, 0, 1, 2, 2, 1, 5].
-    """
-    B, P, D = paths.shape
-    toks, pars, scs = [], [], []
-    for b in range(B):
-        index: dict[tuple[int, ...], int] = {(): 0}
-        tok, par, sc = [int(roots[b])], [-1], [1.0]
-        for p in range(P):
-            row, srow = paths[b, p].tolist(), scores[b, p].tolist()
-            for d in range(D):
-                key = tuple(row[:d + 1])
-                if key in index:
-                    continue
-                if len(tok) - 1 >= max_nodes:
-                    break
-                index[key] = len(tok)
-                tok.append(row[d])
-                par.append(index[key[:-1]])
-                sc.append(srow[d])
-        toks.append(tok), pars.append(par), scs.append(sc)
-    N = max(len(t) for t in toks)
-    dev = paths.device
-    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-    parents = torch.zeros(B, N, dtype=torch.long, device=dev)
-    valid = torch.zeros(B, N, dtype=torch.bool, device=dev)
-    out_scores = torch.zeros(B, N, device=dev)
-    for b in range(B):
-        n = len(toks[b])
-        tokens[b, :n] = torch.tensor(toks[b], device=dev)
-        parents[b, :n] = torch.tensor(pars[b], device=dev)
-        valid[b, :n] = True
-        out_scores[b, :n] = torch.tensor(scs[b], device=dev)
-    return DraftTree(tokens=tokens, parents=parents, valid=valid, scores=out_scores)
+from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+                     label_mask, top1_of)
+from .tree import DraftTree, TreeBudget, tree_from_paths
 
 
 class MLPSpeculatorLayerNorm(nn.Module):
@@ -124,6 +81,7 @@ class MLPSpeculatorConfig:
 
 
 class MLPSpeculatorHead(DraftHead):
+    METHOD = "mlp"  # speculative-decoding name users type (--method mlp)
     Config = MLPSpeculatorConfig
     TARGET_FIELDS = ("emb_dim", "vocab_size")
     FROZEN_PARTS = {"target_lm_head": "lm_head"}
@@ -199,11 +157,7 @@ class MLPSpeculatorHead(DraftHead):
             valid = label_mask(batch, i + 2)
             r = chunked_logit_loss(state[valid], self.head[i].weight,
                                    teacher_ids=shift_left(tok, i + 1)[valid])
-            li = mean_loss(r.loss, state)
-            total = total + li
-            metrics[f"loss_{i}"] = float(li.detach())
-            if r.top1.numel():
-                metrics[f"top1_{i}"] = float((r.top1 == r.teacher_top1).float().mean())
+            total = add_depth_loss(total, metrics, i, 1.0, r, state)   # stages weigh the same
         metrics["loss"] = float(total.detach())
         return total, metrics
 

@@ -27,11 +27,10 @@ from torch import Tensor, nn
 
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_embedding, frozen_linear,
                    shift_left)
+from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+                     label_mask, top1_of)
 from .layers import ResBlock
-from .medusa import (LastHiddenDrafter, chain_acceptance, check_drafter_opts, label_mask,
-                     mean_loss, top1_of)
-from .mlp_speculator import tree_from_paths
-from .tree import DraftTree, TreeBudget
+from .tree import DraftTree, TreeBudget, tree_from_paths
 
 LOG_0 = -50000.0   # "log 0" for the beams that do not exist yet (Apple's constant)
 
@@ -119,11 +118,7 @@ class ReDrafterHead(DraftHead):
             x = self.exit_features(h[valid], state[valid])                  # [N, E]
             r = chunked_logit_loss(x, self.lm_head[-1].weight,
                                    teacher_ids=shift_left(ids, k + 1)[valid])
-            lk = mean_loss(r.loss, x)
-            total = total + self.config.loss_decay ** (k - 1) * lk
-            metrics[f"loss_{k - 1}"] = float(lk.detach())
-            if r.top1.numel():
-                metrics[f"top1_{k - 1}"] = float((r.top1 == r.teacher_top1).float().mean())
+            total = add_depth_loss(total, metrics, k - 1, self.config.loss_decay ** (k - 1), r, x)
         metrics["loss"] = float(total.detach())
         return total, metrics
 

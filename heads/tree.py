@@ -4,11 +4,13 @@ A tree is a batch of flat node lists; node 0 is the root (the pending token, alr
 every other node is a draft token whose parent has a smaller index, so the node order is a
 topological order and one left-to-right pass can compute anything that flows root -> leaves.
 
-Two ways to build one:
+Three ways to build one:
   * `static_tree(choices)`: a fixed shape given as Medusa-style choice paths; a drafter fills its
     tokens from per-depth top-k lists (`StaticTree.fill`).
   * `expand_dynamic_tree(step, roots, budget)`: EAGLE-2's expansion + rerank, driven by any
     drafter's `step(frontier) -> log_probs` callback.
+  * `CandidateTrie` + `pack_trees` / `tree_from_paths`: whole candidate paths merged on their
+    shared prefixes (retrieval drafters by best score, MLPSpeculator / ReDrafter in path order).
 """
 from __future__ import annotations
 
@@ -300,3 +302,120 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
     return DraftTree(tokens=tokens.gather(1, kept), parents=new_par,
                      valid=torch.ones(B, keep + 1, dtype=torch.bool, device=dev),
                      draft_probs=None, scores=cum.gather(1, kept).exp())
+
+
+# ----------------------------------------------------------------------------------------------
+# Candidate paths merged into a scored trie (retrieval drafters, MLPSpeculator, ReDrafter)
+# ----------------------------------------------------------------------------------------------
+class CandidateTrie:
+    """Candidate continuations of one root merged into a trie, each node with a score.
+
+    ``add(path, scores)`` inserts tokens after the root; a node reached by several candidates
+    keeps the highest score (and the union of their sources). Scores must not increase along a
+    path (parents score at least as high as children); ``select`` then keeps the best
+    ``max_nodes`` nodes (ties: shallower first, then insertion order), which is closed under
+    ancestors, so the kept nodes form a tree.
+    Example: root r, add([a, b], [.9, .8]) and add([a, c], [.7, .6]) -> r-a-{b, c}, a scored .9.
+    """
+
+    def __init__(self, root: int):
+        self.tokens, self.parents, self.depth = [int(root)], [-1], [0]
+        self.scores: list[float] = [float("inf")]
+        self.sources: list[set[str]] = [set()]
+        self._child: dict[tuple[int, int], int] = {}
+        self._kids: list[int] = [0]  # number of children per node
+        self.kept: set[int] | None = None  # the nodes `select` kept
+
+    def __len__(self) -> int:
+        return len(self.tokens) - 1  # draft nodes
+
+    def add(self, path: Sequence[int], scores: Sequence[float] | float = 1.0, source: str = "",
+            max_depth: int | None = None, max_children: int | None = None) -> None:
+        node = 0
+        for d, tok in enumerate(path):
+            if max_depth is not None and d >= max_depth:
+                return
+            score = float(scores if isinstance(scores, (int, float)) else scores[d])
+            key = (node, int(tok))
+            child = self._child.get(key)
+            if child is None:
+                if max_children is not None and self._kids[node] >= max_children:
+                    return
+                child = len(self.tokens)
+                self._child[key] = child
+                self.tokens.append(int(tok))
+                self.parents.append(node)
+                self.depth.append(d + 1)
+                self.scores.append(score)
+                self.sources.append(set())
+                self._kids.append(0)
+                self._kids[node] += 1
+            else:
+                self.scores[child] = max(self.scores[child], score)
+            if source:
+                self.sources[child].add(source)
+            node = child
+
+    def child(self, node: int, token: int) -> int | None:
+        return self._child.get((node, int(token)))
+
+    def select(self, max_nodes: int) -> list[int]:
+        """Indices of the kept nodes, root first, parents before children."""
+        order = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], self.depth[i], i))
+        kept, chosen = {0}, [0]
+        for i in order:
+            if len(chosen) > max_nodes:
+                break
+            if self.parents[i] in kept:  # always true for monotone scores; guards the rest
+                kept.add(i)
+                chosen.append(i)
+        self.kept = set(chosen[:max_nodes + 1])  # what was proposed (hybrid learns from it)
+        return sorted(self.kept)
+
+
+def pack_trees(tries: Sequence[CandidateTrie], budget: TreeBudget, device) -> DraftTree:
+    """Cut each trie to the budget (best scores first) and pad them into one DraftTree [B, N]."""
+    return pack_nodes(tries, [t.select(budget.max_nodes) for t in tries], device)
+
+
+def pack_nodes(tries: Sequence[CandidateTrie], picked: Sequence[Sequence[int]], device) -> DraftTree:
+    """Pad the picked nodes of each trie (root first, parents before children, closed under
+    ancestors) into one DraftTree [B, N] (node 0 = root; padding: valid False, parent 0).
+    Scores are clamped to 1 (the root's is 1)."""
+    B, N = len(tries), max(len(p) for p in picked)
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    parents = torch.zeros(B, N, dtype=torch.long)
+    valid = torch.zeros(B, N, dtype=torch.bool)
+    scores = torch.zeros(B, N)
+    for b, (trie, nodes) in enumerate(zip(tries, picked)):
+        new_index = {old: new for new, old in enumerate(nodes)}
+        n = len(nodes)
+        tokens[b, :n] = torch.tensor([trie.tokens[i] for i in nodes])
+        parents[b, :n] = torch.tensor([new_index.get(trie.parents[i], -1) for i in nodes])
+        valid[b, :n] = True
+        scores[b, :n] = torch.tensor([min(trie.scores[i], 1.0) for i in nodes])
+    parents[:, 0] = -1
+    return DraftTree(tokens=tokens.to(device), parents=parents.to(device), valid=valid.to(device),
+                     draft_probs=None, scores=scores.to(device))
+
+
+def tree_from_paths(roots: Tensor, paths: Tensor, scores: Tensor, max_nodes: int) -> DraftTree:
+    """Merge candidate continuations into one prefix tree per sequence (dedupe shared prefixes).
+
+    roots [B]; paths [B, P, D] long, candidates best first; scores [B, P, D] float, the
+    cumulative probability of each prefix (a prefix's score does not depend on the path it came
+    from). Paths are merged in order; nodes are added until `max_nodes` draft nodes exist (a
+    path may be cut short: IBM's flatten_batch, unlike `pack_trees`' best-score cut). Rows are
+    padded to the longest tree (valid False, parent 0).
+    Example: paths [[a b c], [a b d], [a e f]] -> nodes root, a, b, c, d, e, f with parents
+    [-1, 0, 1, 2, 2, 1, 5].
+    """
+    tries = []
+    for b in range(paths.shape[0]):
+        trie = CandidateTrie(int(roots[b]))
+        for row, srow in zip(paths[b].tolist(), scores[b].tolist()):
+            trie.add(row, srow)
+        tries.append(trie)
+    # Trie nodes are numbered in insertion order, so the first max_nodes + 1 form a tree.
+    picked = [list(range(min(len(t), max_nodes) + 1)) for t in tries]
+    return pack_nodes(tries, picked, paths.device)

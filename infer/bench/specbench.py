@@ -88,11 +88,11 @@ class MethodSpec:
 
     def llm_kwargs(self) -> dict:
         """Keyword arguments for ``LLM(method=..., ...)``."""
-        from specdec.infer.drafters import HEAD_METHODS, training_free_methods
+        from specdec.infer.drafters import head_methods, training_free_methods
 
         if self.value is None:
             return {"method": self.name}
-        if self.name in HEAD_METHODS:
+        if self.name in head_methods():
             return {"method": self.name, "head": self.value}
         if self.name in training_free_methods():
             import importlib

@@ -13,16 +13,11 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-# method name -> head type (the registry key in specdec.heads) it loads
-HEAD_METHODS = {
-    "medusa": "medusa",
-    "hydra": "hydra",
-    "eagle": "eagle",
-    "eagle3": "eagle3",
-    "mlp": "mlp_speculator",
-    "sps": "draft_lm",
-    "redrafter": "redrafter",
-}
+def head_methods() -> dict[str, str]:
+    """Method name -> head type, from the head registry (a head's ``METHOD`` or its key)."""
+    from specdec.heads import get_head_class, head_types
+
+    return {get_head_class(t).method_name(): t for t in head_types()}
 
 
 class DrafterError(ValueError):
@@ -43,7 +38,7 @@ def _factory(name: str):
 
 
 def available_methods() -> list[str]:
-    return ["plain", *HEAD_METHODS, *training_free_methods()]
+    return ["plain", *head_methods(), *training_free_methods()]
 
 
 def make_drafter(method: str, target, head=None, **opts):
@@ -53,12 +48,17 @@ def make_drafter(method: str, target, head=None, **opts):
         if head is not None:
             raise DrafterError("method 'plain' takes no head")
         return None
-    if method in HEAD_METHODS:
+    if method in head_methods():
         return _head_drafter(method, target, head, **opts)
     if method in training_free_methods():
-        if head is not None:
-            raise DrafterError(f"method {method!r} is training-free and takes no head")
-        return _factory(method)(target, **opts)
+        factory = _factory(method)
+        if head is not None:  # only a method that merges in a head (hybrid) accepts one
+            import inspect
+
+            if "head" not in inspect.signature(factory).parameters:
+                raise DrafterError(f"method {method!r} is training-free and takes no head")
+            opts["head"] = head
+        return factory(target, **opts)
     raise DrafterError(f"unknown method {method!r}; available: {', '.join(available_methods())}")
 
 
@@ -74,7 +74,7 @@ def _head_drafter(method: str, target, head, **opts):
         head = load_head(folder, target)
     head_type = getattr(head, "head_type", None)  # DraftHead.head_type() = its registry key
     head_type = head_type() if callable(head_type) else head_type
-    expected = HEAD_METHODS[method]
+    expected = head_methods()[method]
     if head_type is not None and head_type != expected:
         raise DrafterError(f"method {method!r} expects a {expected!r} head, but the head is {head_type!r}")
     return head.new_drafter(target, **opts)

@@ -34,9 +34,9 @@ from collections import OrderedDict
 
 from torch import Tensor
 
-from specdec.heads.tree import DraftTree, TreeBudget
+from specdec.heads.tree import TreeBudget
 
-from .pld import NO_FEATURES, CandidateTrie, TokenHistory, pack_trees, token_list
+from .pld import CandidateTrie, HistoryTrieDrafter, TokenHistory, token_list
 
 
 class NGramPool:
@@ -69,10 +69,9 @@ class NGramPool:
         return next(reversed(entry))[0] if entry else None
 
 
-class LookaheadDrafter:
-    """See the module docstring. window W, ngram N (>= 2), guess_set G."""
-
-    feature_spec = NO_FEATURES
+class LookaheadDrafter(HistoryTrieDrafter):
+    """See the module docstring. window W, ngram N (>= 2), guess_set G. `propose` is the
+    shared one (HistoryTrieDrafter); the protocol methods below also keep the n-gram pools."""
 
     def __init__(self, target=None, window: int = 6, ngram: int = 4, guess_set: int = 6):
         if int(ngram) < 2 or int(window) < 1 or int(guess_set) < 1:
@@ -117,10 +116,6 @@ class LookaheadDrafter:
         self.history.release(slot)
         self.pools.pop(slot, None)
         self.guesses.pop(slot, None)
-
-    def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
-        tries = [self.trie(int(s), int(r), budget) for s, r in zip(slots.tolist(), roots.tolist())]
-        return pack_trees(tries, budget, roots.device)
 
     # -- the method --------------------------------------------------------------------------
     def jacobi_sweep(self, slot: int, root: int) -> list[int]:

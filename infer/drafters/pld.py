@@ -7,20 +7,19 @@ followed an earlier occurrence are the draft. n runs from ``max_ngram`` down to 
 one match, several matches (most recent first, then shorter n-grams) become a tree: shared
 prefixes are merged, and the tree is cut to the TreeBudget.
 
-This module also holds the two pieces every retrieval drafter here shares (REST, lookahead,
-hybrid): ``TokenHistory`` (per-slot committed tokens) and ``CandidateTrie`` (candidate paths
-merged into one scored tree, cut to a budget, packed into a ``DraftTree``).
+This module also holds the pieces every retrieval drafter here shares (REST, lookahead,
+hybrid): ``TokenHistory`` (per-slot committed tokens), ``HistoryTrieDrafter`` (the drafter
+protocol over a TokenHistory) and, re-exported from specdec.heads.tree, ``CandidateTrie`` /
+``pack_trees`` (candidate paths merged into one scored tree, cut to a budget, packed into a
+``DraftTree``).
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
-import torch
 from torch import Tensor
 
 from specdec.heads.base import FeatureSpec
-from specdec.heads.tree import DraftTree, TreeBudget
+from specdec.heads.tree import CandidateTrie, DraftTree, TreeBudget, pack_trees
 
 NO_FEATURES = FeatureSpec(hidden=False, aux_layers=(), topk_logits=0)
 
@@ -76,90 +75,32 @@ def token_list(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
-class CandidateTrie:
-    """Candidate continuations of one root merged into a trie, each node with a score.
+class HistoryTrieDrafter:
+    """The drafter protocol for methods that draft from each slot's committed tokens alone:
+    subclasses set ``self.history = TokenHistory()`` and define ``trie(slot, root, budget)``."""
 
-    ``add(path, scores)`` inserts tokens after the root; a node reached by several candidates
-    keeps the highest score (and the union of their sources). Scores must not increase along a
-    path (parents score at least as high as children); ``select`` then keeps the best
-    ``max_nodes`` nodes (ties: shallower first, then insertion order), which is closed under
-    ancestors, so the kept nodes form a tree.
-    Example: root r, add([a, b], [.9, .8]) and add([a, c], [.7, .6]) -> r-a-{b, c}, a scored .9.
-    """
+    feature_spec = NO_FEATURES
+    history: TokenHistory
 
-    def __init__(self, root: int):
-        self.tokens, self.parents, self.depth = [int(root)], [-1], [0]
-        self.scores: list[float] = [float("inf")]
-        self.sources: list[set[str]] = [set()]
-        self._child: dict[tuple[int, int], int] = {}
-        self._kids: list[int] = [0]  # number of children per node
-        self.kept: set[int] | None = None  # the nodes `select` kept
+    def reset(self, max_batch: int, max_len: int) -> None:
+        self.history.reset(max_len)
 
-    def __len__(self) -> int:
-        return len(self.tokens) - 1  # draft nodes
+    def prefill(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
+        self.history.set(slot, token_ids)
 
-    def add(self, path: Sequence[int], scores: Sequence[float] | float = 1.0, source: str = "",
-            max_depth: int | None = None, max_children: int | None = None) -> None:
-        node = 0
-        for d, tok in enumerate(path):
-            if max_depth is not None and d >= max_depth:
-                return
-            score = float(scores if isinstance(scores, (int, float)) else scores[d])
-            key = (node, int(tok))
-            child = self._child.get(key)
-            if child is None:
-                if max_children is not None and self._kids[node] >= max_children:
-                    return
-                child = len(self.tokens)
-                self._child[key] = child
-                self.tokens.append(int(tok))
-                self.parents.append(node)
-                self.depth.append(d + 1)
-                self.scores.append(score)
-                self.sources.append(set())
-                self._kids.append(0)
-                self._kids[node] += 1
-            else:
-                self.scores[child] = max(self.scores[child], score)
-            if source:
-                self.sources[child].add(source)
-            node = child
+    def commit(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
+        self.history.extend(slot, token_ids)
 
-    def child(self, node: int, token: int) -> int | None:
-        return self._child.get((node, int(token)))
+    def release(self, slot: int) -> None:
+        self.history.release(slot)
 
-    def select(self, max_nodes: int) -> list[int]:
-        """Indices of the kept nodes, root first, parents before children."""
-        order = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], self.depth[i], i))
-        kept, chosen = {0}, [0]
-        for i in order:
-            if len(chosen) > max_nodes:
-                break
-            if self.parents[i] in kept:  # always true for monotone scores; guards the rest
-                kept.add(i)
-                chosen.append(i)
-        self.kept = set(chosen[:max_nodes + 1])  # what was proposed (hybrid learns from it)
-        return sorted(self.kept)
+    def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
+        tries = [self.trie(int(s), int(r), budget) for s, r in zip(slots.tolist(), roots.tolist())]
+        return pack_trees(tries, budget, roots.device)
 
-
-def pack_trees(tries: Sequence[CandidateTrie], budget: TreeBudget, device) -> DraftTree:
-    """Cut each trie to the budget and pad them into one DraftTree [B, N] (node 0 = root)."""
-    picked = [t.select(budget.max_nodes) for t in tries]
-    B, N = len(tries), max(len(p) for p in picked)
-    tokens = torch.zeros(B, N, dtype=torch.long)
-    parents = torch.zeros(B, N, dtype=torch.long)
-    valid = torch.zeros(B, N, dtype=torch.bool)
-    scores = torch.zeros(B, N)
-    for b, (trie, nodes) in enumerate(zip(tries, picked)):
-        new_index = {old: new for new, old in enumerate(nodes)}
-        n = len(nodes)
-        tokens[b, :n] = torch.tensor([trie.tokens[i] for i in nodes])
-        parents[b, :n] = torch.tensor([new_index.get(trie.parents[i], -1) for i in nodes])
-        valid[b, :n] = True
-        scores[b, :n] = torch.tensor([min(trie.scores[i], 1.0) for i in nodes])
-    parents[:, 0] = -1
-    return DraftTree(tokens=tokens.to(device), parents=parents.to(device), valid=valid.to(device),
-                     draft_probs=None, scores=scores.to(device))
+    def trie(self, slot: int, root: int, budget: TreeBudget, source: str = "") -> CandidateTrie:
+        """The slot's candidate continuations after ``root``, merged and scored."""
+        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------- PLD
@@ -189,7 +130,7 @@ def find_continuations(seq: np.ndarray, max_ngram: int, min_ngram: int, length: 
     return found
 
 
-class PLDDrafter:
+class PLDDrafter(HistoryTrieDrafter):
     """Prompt lookup over each slot's own history (see the module docstring).
 
     max_ngram / min_ngram: n-gram sizes tried, longest first (3..1 by default).
@@ -198,8 +139,6 @@ class PLDDrafter:
     Scores: the i-th continuation (0-based) scores 1/(i+1) on all its nodes, so the tree keeps
     the most recent, longest-n-gram matches first when the budget is tight.
     """
-
-    feature_spec = NO_FEATURES
 
     def __init__(self, target=None, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
                  draft_len: int | None = None):
@@ -211,23 +150,6 @@ class PLDDrafter:
         self.max_matches = int(max_matches)
         self.draft_len = None if draft_len is None else int(draft_len)
         self.history = TokenHistory()
-
-    # -- protocol ----------------------------------------------------------------------------
-    def reset(self, max_batch: int, max_len: int) -> None:
-        self.history.reset(max_len)
-
-    def prefill(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
-        self.history.set(slot, token_ids)
-
-    def commit(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
-        self.history.extend(slot, token_ids)
-
-    def release(self, slot: int) -> None:
-        self.history.release(slot)
-
-    def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
-        tries = [self.trie(int(s), int(r), budget) for s, r in zip(slots.tolist(), roots.tolist())]
-        return pack_trees(tries, budget, roots.device)
 
     # -- the method --------------------------------------------------------------------------
     def candidates(self, slot: int, root: int, length: int) -> list[list[int]]:

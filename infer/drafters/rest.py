@@ -14,25 +14,21 @@ from __future__ import annotations
 
 from collections import Counter
 
-from torch import Tensor
-
-from specdec.heads.tree import DraftTree, TreeBudget
+from specdec.heads.tree import TreeBudget
 from specdec.infer.datastore import SEP, Datastore, DatastoreError, default_datastore
 
-from .pld import NO_FEATURES, CandidateTrie, TokenHistory, pack_trees
+from .pld import CandidateTrie, HistoryTrieDrafter, TokenHistory
 
 # What `rest=VALUE` in a method spec means (specdec-bench): the datastore folder.
 VALUE_OPTION = "datastore"
 
 
-class RESTDrafter:
+class RESTDrafter(HistoryTrieDrafter):
     """Retrieval from a suffix-array datastore (see the module docstring).
 
     max_suffix: longest context suffix searched (REST uses 16); min_suffix: shortest accepted.
     max_retrieve: continuations counted per step (evenly sampled from the match range).
     """
-
-    feature_spec = NO_FEATURES
 
     def __init__(self, datastore: Datastore, max_suffix: int = 16, min_suffix: int = 1,
                  max_retrieve: int = 256):
@@ -42,23 +38,6 @@ class RESTDrafter:
         self.max_suffix, self.min_suffix = int(max_suffix), int(min_suffix)
         self.max_retrieve = int(max_retrieve)
         self.history = TokenHistory()
-
-    # -- protocol ----------------------------------------------------------------------------
-    def reset(self, max_batch: int, max_len: int) -> None:
-        self.history.reset(max_len)
-
-    def prefill(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
-        self.history.set(slot, token_ids)
-
-    def commit(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
-        self.history.extend(slot, token_ids)
-
-    def release(self, slot: int) -> None:
-        self.history.release(slot)
-
-    def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
-        tries = [self.trie(int(s), int(r), budget) for s, r in zip(slots.tolist(), roots.tolist())]
-        return pack_trees(tries, budget, roots.device)
 
     # -- the method --------------------------------------------------------------------------
     def trie(self, slot: int, root: int, budget: TreeBudget, source: str = "rest") -> CandidateTrie:

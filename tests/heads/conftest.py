@@ -5,25 +5,34 @@ does (prefill -> propose -> verify with the target -> commit the accepted path).
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Sequence
 
 import pytest
 import torch
 
+from specdec.heads import Drafter, TreeBudget, load_head
 
-def features(target, seq: torch.Tensor, topk: int = 0) -> dict[str, torch.Tensor]:
-    """The capture format for seq [B, T]: hidden [B, T, H] (post-norm) and optional top-k."""
+
+def features(target, seq: torch.Tensor, topk: int = 0,
+             aux_layers: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+    """The capture format for seq [B, T]: hidden [B, T, H] (post-norm), optional top-k, and
+    with aux_layers the concatenated hidden_states aux [B, T, A*H] (EAGLE-3's input)."""
     with torch.no_grad():
         out = target.model(seq, output_hidden_states=True)
     f = {"hidden": out.hidden_states[-1]}
+    if aux_layers:
+        f["aux"] = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1)
     if topk:
         f["topk_values"], f["topk_indices"] = out.logits.topk(topk, dim=-1)
     return f
 
 
-def make_batch(target, seq: torch.Tensor, loss_mask=None, topk: int = 0, hidden: bool = True):
+def make_batch(target, seq: torch.Tensor, loss_mask=None, topk: int = 0, hidden: bool = True,
+               aux_layers: Sequence[int] = ()):
     ones = torch.ones_like(seq, dtype=torch.bool)
     batch = {"input_ids": seq, "attention_mask": ones,
-             "loss_mask": ones if loss_mask is None else loss_mask, **features(target, seq, topk)}
+             "loss_mask": ones if loss_mask is None else loss_mask,
+             **features(target, seq, topk, aux_layers)}
     if not hidden:
         del batch["hidden"]
     return batch
@@ -101,10 +110,51 @@ def speculate(target, drafter, prompt: torch.Tensor, n_new: int, budget, slot: i
     return gen[:n_new], accepted
 
 
+def roundtrip(target, head, folder):
+    """Train `head` 3 steps on a random batch, save it to `folder` and load it back: the loaded
+    head has the same type, config and loss. -> (loaded head, trained head, batch)."""
+    batch = make_batch(target, torch.randint(0, 256, (1, 16)))
+    head, _ = train(head, batch, 3)
+    head.save_pretrained(folder)
+    loaded = load_head(folder, target)
+    assert type(loaded) is type(head) and loaded.config == head.config
+    assert torch.equal(head.loss(batch)[0], loaded.loss(batch)[0])
+    return loaded, head, batch
+
+
+def propose_two_slots(target, drafter, budget):
+    """Prefill slots 3 and 0 with random sequences of 9 and 17 tokens, propose roots 5 and 6 and
+    check the tree against the budget. -> (tree, the two sequences)."""
+    assert isinstance(drafter, Drafter)
+    seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
+    for slot, s in zip((3, 0), seqs):
+        drafter.prefill(slot, s, {"hidden": features(target, s[None])["hidden"][0]})
+    roots = torch.tensor([5, 6])
+    tree = drafter.propose(torch.tensor([3, 0]), roots, budget)
+    check_tree(tree, budget, roots, target.vocab_size)
+    return tree, seqs
+
+
+def drafts_the_continuation(target, drafter, batch, seq: torch.Tensor) -> None:
+    """A drafter overfitted on the greedy sequence seq [T] (batch: its capture) drafts its next
+    3 tokens as the top path, and speculative decoding from its first 16 tokens reproduces it
+    losslessly with >= 2.5 drafts accepted per step."""
+    budget = TreeBudget(12, 3, 3)
+    for n in (12, 20, 30):
+        drafter.prefill(0, seq[:n], {"hidden": batch["hidden"][0, :n]})
+        tree = drafter.propose(torch.tensor([0]), seq[n:n + 1], budget)
+        assert tree.top_path(0) == seq[n:n + 4].tolist()
+    gen, accepted = speculate(target, drafter, seq[:16], 28, budget)
+    assert gen == seq[16:16 + 28].tolist()                            # lossless, and ...
+    assert sum(accepted) / len(accepted) >= 2.5                      # ... nearly all accepted
+
+
 @pytest.fixture
 def kit():
     return SimpleNamespace(features=features, batch=make_batch, train=train, reply_mask=reply_mask,
-                           check_tree=check_tree, speculate=speculate)
+                           check_tree=check_tree, speculate=speculate, roundtrip=roundtrip,
+                           propose_two_slots=propose_two_slots,
+                           drafts_the_continuation=drafts_the_continuation)
 
 
 @pytest.fixture(scope="session")

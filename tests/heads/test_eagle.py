@@ -19,45 +19,8 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _features(target, seq: torch.Tensor, spec) -> dict[str, torch.Tensor]:
-    """The capture format for seq [B, T]: hidden [B, T, H] (post-norm) and aux [B, T, A*H]."""
-    with torch.no_grad():
-        hs = target.model(seq, output_hidden_states=True).hidden_states
-    out = {"hidden": hs[-1]}
-    if spec.aux_layers:
-        out["aux"] = torch.cat([hs[i] for i in spec.aux_layers], dim=-1)
-    return out
-
-
-def _batch(target, seq, spec, loss_mask=None):
-    ones = torch.ones_like(seq, dtype=torch.bool)
-    return {"input_ids": seq, "attention_mask": ones,
-            "loss_mask": ones if loss_mask is None else loss_mask, **_features(target, seq, spec)}
-
-
-def _train(head, batch, steps, lr=3e-3):
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    head.train()
-    for _ in range(steps):
-        loss, metrics = head.loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(metrics["loss"])
-    return head.eval(), losses
-
-
-@pytest.fixture(scope="module")
-def greedy_seq(tiny_target):
-    """A sequence the tiny target itself generates greedily: its continuation is the answer."""
-    prompt = torch.tensor([[72, 101, 108, 108, 111, 44, 32, 119]])
-    return tiny_target.model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                      max_new_tokens=40, do_sample=False)
-
-
 @pytest.mark.parametrize("name", HEADS)
-def test_loss_decreases_and_frozen_parts_stay(tiny_target, name):
+def test_loss_decreases_and_frozen_parts_stay(tiny_target, kit, name):
     torch.manual_seed(0)
     head = get_head_class(name).from_target(tiny_target, **HEADS[name])
     frozen = {n: p.clone() for n, p in head.named_parameters() if not p.requires_grad}
@@ -65,7 +28,8 @@ def test_loss_decreases_and_frozen_parts_stay(tiny_target, name):
     seq = torch.randint(0, 256, (2, 24))
     mask = torch.ones_like(seq, dtype=torch.bool)
     mask[:, :6] = False                                              # a "prompt" without loss
-    _, losses = _train(head, _batch(tiny_target, seq, head.feature_spec(), mask), 30)
+    batch = kit.batch(tiny_target, seq, mask, aux_layers=head.feature_spec().aux_layers)
+    _, losses = kit.train(head, batch, 30, lr=3e-3)
     assert losses[-1] < 0.9 * losses[0]
     for n, p in head.named_parameters():
         if n in frozen:
@@ -73,13 +37,14 @@ def test_loss_decreases_and_frozen_parts_stay(tiny_target, name):
 
 
 @pytest.mark.parametrize("name", HEADS)
-def test_save_load_roundtrip_is_exact(tiny_target, tmp_path, name):
+def test_save_load_roundtrip_is_exact(tiny_target, kit, tmp_path, name):
     torch.manual_seed(1)
     head = get_head_class(name).from_target(tiny_target, **HEADS[name])
     if name == "eagle3":
         head.set_draft_vocab(torch.arange(tiny_target.vocab_size).flip(0))  # ids 0..Vd-1 are the most frequent
-    batch = _batch(tiny_target, torch.randint(0, 256, (1, 16)), head.feature_spec())
-    head, _ = _train(head, batch, 3)
+    batch = kit.batch(tiny_target, torch.randint(0, 256, (1, 16)),
+                      aux_layers=head.feature_spec().aux_layers)
+    head, _ = kit.train(head, batch, 3, lr=3e-3)
     head.save_pretrained(tmp_path / "h")
     loaded = load_head(tmp_path / "h", tiny_target)
     assert type(loaded) is type(head) and loaded.config == head.config
@@ -90,7 +55,7 @@ def test_save_load_roundtrip_is_exact(tiny_target, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", HEADS)
-def test_drafter_proposes_valid_trees_for_a_batch(tiny_target, name):
+def test_drafter_proposes_valid_trees_for_a_batch(tiny_target, kit, name):
     torch.manual_seed(2)
     head = get_head_class(name).from_target(tiny_target, **HEADS[name])
     spec = head.feature_spec()
@@ -98,7 +63,7 @@ def test_drafter_proposes_valid_trees_for_a_batch(tiny_target, name):
     assert isinstance(drafter, Drafter) and drafter.feature_spec == spec
     seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
     for slot, s in zip((2, 0), seqs):
-        f = _features(tiny_target, s[None], spec)
+        f = kit.features(tiny_target, s[None], aux_layers=spec.aux_layers)
         drafter.prefill(slot, s, {k: v[0] for k, v in f.items()})
     budget = TreeBudget(max_nodes=12, max_depth=4, topk=4)
     roots = torch.tensor([5, 6])
@@ -113,7 +78,7 @@ def test_drafter_proposes_valid_trees_for_a_batch(tiny_target, name):
     assert torch.allclose(single.scores[0], tree.scores[1], rtol=1e-4)
 
 
-def test_eagle3_drafts_in_target_ids_from_its_draft_vocab(tiny_target):
+def test_eagle3_drafts_in_target_ids_from_its_draft_vocab(tiny_target, kit):
     torch.manual_seed(3)
     head = get_head_class("eagle3").from_target(tiny_target, draft_vocab_size=40, ttt_steps=2)
     counts = torch.zeros(tiny_target.vocab_size)
@@ -123,14 +88,14 @@ def test_eagle3_drafts_in_target_ids_from_its_draft_vocab(tiny_target):
     assert head.t2d.sum() == 40 and head.t2d[200:240].all()
     seq = torch.randint(0, 256, (10,))
     drafter = head.new_drafter(tiny_target, max_batch=1, max_len=32)
-    f = _features(tiny_target, seq[None], head.feature_spec())
+    f = kit.features(tiny_target, seq[None], aux_layers=head.feature_spec().aux_layers)
     drafter.prefill(0, seq, {k: v[0] for k, v in f.items()})
     tree = drafter.propose(torch.tensor([0]), torch.tensor([7]), TreeBudget(10, 3, 4))
     assert ((tree.tokens[0, 1:] >= 200) & (tree.tokens[0, 1:] < 240)).all()
 
 
 @pytest.mark.parametrize("name", HEADS)
-def test_drafter_matches_training_time_test(tiny_target, name):
+def test_drafter_matches_training_time_test(tiny_target, kit, name):
     """The drafter's tree attention (own cache + in-tree ancestors) computes exactly what the
     training unroll computes for the same chain: cumulative scores agree at every depth."""
     torch.manual_seed(4)
@@ -139,13 +104,13 @@ def test_drafter_matches_training_time_test(tiny_target, name):
     prompt = torch.randint(0, 256, (14,))
     n = 13
     drafter = head.new_drafter(tiny_target, max_batch=1, max_len=64)
-    f = _features(tiny_target, prompt[None, :n], spec)
+    f = kit.features(tiny_target, prompt[None, :n], aux_layers=spec.aux_layers)
     drafter.prefill(0, prompt[:n], {k: v[0] for k, v in f.items()})
     tree = drafter.propose(torch.tensor([0]), prompt[n:n + 1], TreeBudget(3, 3, 1))  # a chain
     chain = tree.tokens[0, 1:]
     seq = torch.cat([prompt, chain])[None]
     with torch.no_grad():
-        outs = head.unroll(_batch(tiny_target, seq, spec), 3)
+        outs = head.unroll(kit.batch(tiny_target, seq, aux_layers=spec.aux_layers), 3)
     tmap = head.token_map
     cum = 1.0
     for k in range(3):
@@ -156,12 +121,13 @@ def test_drafter_matches_training_time_test(tiny_target, name):
 
 
 @pytest.mark.parametrize("name", HEADS)
-def test_commit_equals_prefilling_everything(tiny_target, name):
+def test_commit_equals_prefilling_everything(tiny_target, kit, name):
     torch.manual_seed(5)
     head = get_head_class(name).from_target(tiny_target, **HEADS[name])
     spec = head.feature_spec()
     seq = torch.randint(0, 256, (20,))
-    f = {k: v[0] for k, v in _features(tiny_target, seq[None], spec).items()}
+    f = {k: v[0] for k, v in
+         kit.features(tiny_target, seq[None], aux_layers=spec.aux_layers).items()}
     budget = TreeBudget(8, 3, 3)
     a = head.new_drafter(tiny_target, max_batch=1, max_len=64)
     a.prefill(0, seq[:12], {k: v[:12] for k, v in f.items()})
@@ -179,12 +145,12 @@ def test_commit_equals_prefilling_everything(tiny_target, name):
 
 
 @pytest.mark.parametrize("name", HEADS)
-def test_overfitted_head_drafts_the_continuation(tiny_target, greedy_seq, name):
+def test_overfitted_head_drafts_the_continuation(tiny_target, kit, greedy_seq, name):
     torch.manual_seed(6)
     head = get_head_class(name).from_target(tiny_target, **HEADS[name])
     spec = head.feature_spec()
-    batch = _batch(tiny_target, greedy_seq, spec)
-    head, _ = _train(head, batch, 100)
+    batch = kit.batch(tiny_target, greedy_seq, aux_layers=spec.aux_layers)
+    head, _ = kit.train(head, batch, 100, lr=3e-3)
     acc = head.acceptance(batch, 3)
     assert acc["count"][0] == greedy_seq.shape[1] - 1
     assert acc["correct"][0] >= 0.9 * acc["count"][0]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.heads import Drafter, HeadShapeError, TreeBudget, get_head_class, load_head
+from specdec.heads import HeadShapeError, TreeBudget, get_head_class, load_head
 
 Hydra = get_head_class("hydra")
 
@@ -60,12 +60,7 @@ def test_weight_names_follow_the_reference(tiny_target):
 def test_save_load_roundtrip_is_exact(tiny_target, kit, tmp_path):
     torch.manual_seed(2)
     head = Hydra.from_target(tiny_target)
-    batch = kit.batch(tiny_target, torch.randint(0, 256, (1, 16)))
-    head, _ = kit.train(head, batch, 3)
-    head.save_pretrained(tmp_path / "h")
-    loaded = load_head(tmp_path / "h", tiny_target)
-    assert type(loaded) is Hydra and loaded.config == head.config
-    assert torch.equal(head.loss(batch)[0], loaded.loss(batch)[0])
+    loaded, head, batch = kit.roundtrip(tiny_target, head, tmp_path / "h")
     drafters = [h.new_drafter(tiny_target) for h in (head, loaded)]
     trees = []
     for d in drafters:
@@ -91,13 +86,7 @@ def test_drafter_expands_a_dynamic_tree_within_budget(tiny_target, kit, budget):
     torch.manual_seed(3)
     head = Hydra.from_target(tiny_target)
     drafter = head.new_drafter(tiny_target)
-    assert isinstance(drafter, Drafter)
-    seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
-    for slot, s in zip((3, 0), seqs):
-        drafter.prefill(slot, s, {"hidden": kit.features(tiny_target, s[None])["hidden"][0]})
-    roots = torch.tensor([5, 6])
-    tree = drafter.propose(torch.tensor([3, 0]), roots, budget)
-    kit.check_tree(tree, budget, roots, tiny_target.vocab_size)
+    tree, seqs = kit.propose_two_slots(tiny_target, drafter, budget)
     depth, _ = tree.masks()
     assert int(depth.max()) <= min(budget.max_depth, head.config.num_heads)
     assert tree.num_nodes == budget.max_nodes + 1 and tree.draft_probs is None
@@ -114,13 +103,4 @@ def test_overfitted_heads_draft_the_continuation(tiny_target, kit, greedy_seq):
     head, _ = kit.train(head, batch, 100)
     acc = head.acceptance(batch, 3)
     assert (acc["correct"] >= 0.85 * acc["count"]).all() and acc["count"][2] > 0
-    seq = greedy_seq[0]
-    drafter = head.new_drafter(tiny_target)
-    budget = TreeBudget(12, 3, 3)
-    for n in (12, 20, 30):
-        drafter.prefill(0, seq[:n], {"hidden": batch["hidden"][0, :n]})
-        tree = drafter.propose(torch.tensor([0]), seq[n:n + 1], budget)
-        assert tree.top_path(0) == seq[n:n + 4].tolist()
-    gen, accepted = kit.speculate(tiny_target, drafter, seq[:16], 28, budget)
-    assert gen == seq[16:16 + 28].tolist()
-    assert sum(accepted) / len(accepted) >= 2.5
+    kit.drafts_the_continuation(tiny_target, head.new_drafter(tiny_target), batch, greedy_seq[0])

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.heads import Drafter, HeadShapeError, TreeBudget, get_head_class, load_head
+from specdec.heads import HeadShapeError, TreeBudget, get_head_class, load_head
 from specdec.heads.medusa import MC_SIM_7B_63, MEDUSA_CPU_CHOICES
 from specdec.heads.tree import static_tree
 
@@ -65,14 +65,9 @@ def test_weight_names_are_medusas_and_heads_are_independent(tiny_target):
 def test_save_load_roundtrip_is_exact(tiny_target, kit, tmp_path):
     torch.manual_seed(2)
     head = Medusa.from_target(tiny_target, num_layers=2)
-    batch = kit.batch(tiny_target, torch.randint(0, 256, (1, 16)))
-    head, _ = kit.train(head, batch, 3)
-    head.save_pretrained(tmp_path / "h")
-    loaded = load_head(tmp_path / "h", tiny_target)
-    assert type(loaded) is Medusa and loaded.config == head.config
+    loaded, head, batch = kit.roundtrip(tiny_target, head, tmp_path / "h")
     h = batch["hidden"][0]
     assert torch.equal(head.head_logits(h), loaded.head_logits(h))
-    assert torch.equal(head.loss(batch)[0], loaded.loss(batch)[0])
 
 
 def test_wrong_shaped_checkpoint_names_the_tensor(tiny_target, tmp_path):
@@ -93,13 +88,7 @@ def test_drafter_fills_the_static_tree_within_budget(tiny_target, kit, budget):
     torch.manual_seed(3)
     head = Medusa.from_target(tiny_target)
     drafter = head.new_drafter(tiny_target, tree="gpu" if budget.max_nodes > 24 else None)
-    assert isinstance(drafter, Drafter)
-    seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
-    for slot, s in zip((3, 0), seqs):
-        drafter.prefill(slot, s, {"hidden": kit.features(tiny_target, s[None])["hidden"][0]})
-    roots = torch.tensor([5, 6])
-    tree = drafter.propose(torch.tensor([3, 0]), roots, budget)
-    kit.check_tree(tree, budget, roots, tiny_target.vocab_size)
+    tree, seqs = kit.propose_two_slots(tiny_target, drafter, budget)
     assert tree.draft_probs is None
     choices = MC_SIM_7B_63 if budget.max_nodes > 24 else MEDUSA_CPU_CHOICES
     eligible = [c for c in choices if max(c) < budget.topk and len(c) <= min(budget.max_depth, 4)]
@@ -126,13 +115,4 @@ def test_overfitted_heads_draft_the_continuation(tiny_target, kit, greedy_seq):
     acc = head.acceptance(batch, 5)
     assert acc["count"][4] == 0                                       # 4 heads: no depth 5
     assert acc["correct"][0] >= 0.9 * acc["count"][0] > 0
-    seq = greedy_seq[0]
-    drafter = head.new_drafter(tiny_target)
-    budget = TreeBudget(12, 3, 3)
-    for n in (12, 20, 30):
-        drafter.prefill(0, seq[:n], {"hidden": batch["hidden"][0, :n]})
-        tree = drafter.propose(torch.tensor([0]), seq[n:n + 1], budget)
-        assert tree.top_path(0) == seq[n:n + 4].tolist()
-    gen, accepted = kit.speculate(tiny_target, drafter, seq[:16], 28, budget)
-    assert gen == seq[16:16 + 28].tolist()                            # lossless, and ...
-    assert sum(accepted) / len(accepted) >= 2.5                      # ... nearly all accepted
+    kit.drafts_the_continuation(tiny_target, head.new_drafter(tiny_target), batch, greedy_seq[0])

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specdec.heads import Drafter, HeadShapeError, TreeBudget, get_head_class, load_head
-from specdec.heads.mlp_speculator import tree_from_paths
+from specdec.heads import HeadShapeError, TreeBudget, get_head_class, load_head
+from specdec.heads.tree import tree_from_paths
 
 MLP = get_head_class("mlp_speculator")
 
@@ -111,13 +111,7 @@ def test_drafter_merges_candidate_chains_within_budget(tiny_target, kit, budget)
     torch.manual_seed(4)
     head = MLP.from_target(tiny_target)
     drafter = head.new_drafter(tiny_target)
-    assert isinstance(drafter, Drafter)
-    seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
-    for slot, s in zip((3, 0), seqs):
-        drafter.prefill(slot, s, {"hidden": kit.features(tiny_target, s[None])["hidden"][0]})
-    roots = torch.tensor([5, 6])
-    tree = drafter.propose(torch.tensor([3, 0]), roots, budget)
-    kit.check_tree(tree, budget, roots, tiny_target.vocab_size)
+    tree, seqs = kit.propose_two_slots(tiny_target, drafter, budget)
     depth, _ = tree.masks()
     assert int(depth[tree.valid].max()) == min(budget.max_depth, head.config.n_predict)
     # the best chain (highest cumulative probability) is merged first: nodes 1..D
@@ -139,13 +133,4 @@ def test_overfitted_speculator_drafts_the_continuation(tiny_target, kit, greedy_
     head, _ = kit.train(head, batch, 100)
     acc = head.acceptance(batch, 4)
     assert acc["count"][3] == 0 and acc["correct"][0] >= 0.9 * acc["count"][0] > 0
-    seq = greedy_seq[0]
-    drafter = head.new_drafter(tiny_target)
-    budget = TreeBudget(12, 3, 3)
-    for n in (12, 20, 30):
-        drafter.prefill(0, seq[:n], {"hidden": batch["hidden"][0, :n]})
-        tree = drafter.propose(torch.tensor([0]), seq[n:n + 1], budget)
-        assert tree.top_path(0) == seq[n:n + 4].tolist()
-    gen, accepted = kit.speculate(tiny_target, drafter, seq[:16], 28, budget)
-    assert gen == seq[16:16 + 28].tolist()
-    assert sum(accepted) / len(accepted) >= 2.5
+    kit.drafts_the_continuation(tiny_target, head.new_drafter(tiny_target), batch, greedy_seq[0])

@@ -55,12 +55,7 @@ def test_names_are_apples_and_input_proj_only_when_needed(tiny_target):
 def test_save_load_roundtrip_is_exact(tiny_target, kit, tmp_path):
     torch.manual_seed(2)
     head = ReDrafter.from_target(tiny_target, exit_dim=96)
-    batch = kit.batch(tiny_target, torch.randint(0, 256, (1, 16)))
-    head, _ = kit.train(head, batch, 3)
-    head.save_pretrained(tmp_path / "h")
-    loaded = load_head(tmp_path / "h", tiny_target)
-    assert type(loaded) is ReDrafter and loaded.config == head.config
-    assert torch.equal(head.loss(batch)[0], loaded.loss(batch)[0])
+    kit.roundtrip(tiny_target, head, tmp_path / "h")
 
 
 def test_wrong_shaped_checkpoint_names_the_tensor(tiny_target, tmp_path):
@@ -78,13 +73,7 @@ def test_beam_search_tree_within_budget(tiny_target, kit, budget):
     torch.manual_seed(3)
     head = ReDrafter.from_target(tiny_target)
     drafter = head.new_drafter(tiny_target)
-    assert isinstance(drafter, Drafter)
-    seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
-    for slot, s in zip((3, 0), seqs):
-        drafter.prefill(slot, s, {"hidden": kit.features(tiny_target, s[None])["hidden"][0]})
-    roots = torch.tensor([5, 6])
-    tree = drafter.propose(torch.tensor([3, 0]), roots, budget)
-    kit.check_tree(tree, budget, roots, tiny_target.vocab_size)
+    tree, _ = kit.propose_two_slots(tiny_target, drafter, budget)
     # beams arrive best first: nodes 1..D are the most probable full-depth beam
     D = min(budget.max_depth, budget.max_nodes)
     depth, _ = tree.masks()
@@ -119,13 +108,4 @@ def test_overfitted_drafter_drafts_the_continuation(tiny_target, kit, greedy_seq
     head, _ = kit.train(head, batch, 100)
     acc = head.acceptance(batch, 3)
     assert (acc["correct"] >= 0.85 * acc["count"]).all() and acc["count"][2] > 0
-    seq = greedy_seq[0]
-    drafter = head.new_drafter(tiny_target)
-    budget = TreeBudget(12, 3, 3)
-    for n in (12, 20, 30):
-        drafter.prefill(0, seq[:n], {"hidden": batch["hidden"][0, :n]})
-        tree = drafter.propose(torch.tensor([0]), seq[n:n + 1], budget)
-        assert tree.top_path(0) == seq[n:n + 4].tolist()
-    gen, accepted = kit.speculate(tiny_target, drafter, seq[:16], 28, budget)
-    assert gen == seq[16:16 + 28].tolist()
-    assert sum(accepted) / len(accepted) >= 2.5
+    kit.drafts_the_continuation(tiny_target, head.new_drafter(tiny_target), batch, greedy_seq[0])
