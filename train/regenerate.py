@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import torch
 
 from .data import Conversation, DataError, ErrorPolicy, iter_conversations
 
