@@ -19,16 +19,19 @@ class LLM:
 
     ``target``: a name or folder for ``load_target`` or an already loaded ``Target``.
     ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
+    ``dtype`` None: an already loaded target runs in its own dtype, a name loads in float32.
     """
 
-    def __init__(self, target="smollm2-135m", method: str = "plain", head=None, dtype: str = "float32",
+    def __init__(self, target="smollm2-135m", method: str = "plain", head=None, dtype: str | None = None,
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
                  prefill_chunk: int | None = None, **drafter_opts):
         from specdec.infer.drafters import make_drafter
         from specdec.infer.engine import Engine
         from specdec.infer.target import Target, load_target
 
-        self.target = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device)
+        if not isinstance(target, Target):
+            target = load_target(target, dtype=dtype or "float32", device=device)
+        self.target = target
         self.method = method
         self.drafter = make_drafter(method, self.target, head=head, **drafter_opts)
         self.engine = Engine(self.target, self.drafter, max_batch=max_batch, max_len=max_len, dtype=dtype,

@@ -72,6 +72,9 @@ def _head_drafter(method: str, target, head, **opts):
         if not folder.is_dir():
             raise DrafterError(f"head folder {folder} does not exist")
         head = load_head(folder, target)
+        from specdec.infer.models.linear import pack_linears
+
+        pack_linears(head)  # a head loaded here only drafts: bf16 projections run prepacked
     head_type = getattr(head, "head_type", None)  # DraftHead.head_type() = its registry key
     head_type = head_type() if callable(head_type) else head_type
     expected = head_methods()[method]

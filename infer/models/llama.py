@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import tree_attention_mask
+from .linear import DecodeLinear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 # RoPE types whose frequencies change with the sequence length: left to the generic path.
@@ -108,15 +109,15 @@ class _Layer:
         self.scaling = attn.scaling
         # Qwen2/3 store the window per layer (None on full layers); Mistral passes the config's.
         self.window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
-        self.qkv_w, self.qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
-        self.o_w, self.o_b = _cast(attn.o_proj.weight, dtype, device), _cast(attn.o_proj.bias, dtype, device)
+        self.qkv = DecodeLinear(*_fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device))
+        self.o = DecodeLinear(_cast(attn.o_proj.weight, dtype, device), _cast(attn.o_proj.bias, dtype, device))
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.q_norm = _Norm(q_norm, unit_offset, dtype, device) if q_norm is not None else None
         self.k_norm = _Norm(k_norm, unit_offset, dtype, device) if k_norm is not None else None
         self.ln1 = _Norm(hf_layer.input_layernorm, unit_offset, dtype, device)
         self.ln2 = _Norm(hf_layer.post_attention_layernorm, unit_offset, dtype, device)
-        self.gate_up_w, self.gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
-        self.down_w, self.down_b = _cast(mlp.down_proj.weight, dtype, device), _cast(mlp.down_proj.bias, dtype, device)
+        self.gate_up = DecodeLinear(*_fuse([mlp.gate_proj, mlp.up_proj], dtype, device))
+        self.down = DecodeLinear(_cast(mlp.down_proj.weight, dtype, device), _cast(mlp.down_proj.bias, dtype, device))
         self.act = mlp.act_fn
         self.group = self.n_heads // self.n_kv  # query heads per kv head
         self.splits = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
@@ -142,7 +143,7 @@ class LeanCausalLM:
         self.embed_scale = None if scale is None else torch.as_tensor(scale).to(device=device, dtype=dtype)
         self.layers = [_Layer(layer, cfg, unit_offset, dtype, device) for layer in base.layers]
         self.norm = _Norm(base.norm, unit_offset, dtype, device)
-        self.lm_head = _cast(model.get_output_embeddings().weight, dtype, device)  # [V, H]
+        self.lm_head = DecodeLinear(_cast(model.get_output_embeddings().weight, dtype, device))  # [V, H]
         rope = base.rotary_emb
         self.inv_freq = rope.inv_freq.detach().float().to(device)                   # [head_dim/2]
         self.rope_scale = float(getattr(rope, "attention_scaling", 1.0))
@@ -184,13 +185,13 @@ class LeanCausalLM:
         x = self.norm(x)                                                     # [B, N, H] post-norm
         keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output
         rows = x if logits_rows is None else x[torch.arange(bsz, device=x.device), logits_rows]
-        logits = F.linear(rows, self.lm_head)                                # [B, N, V] or [B, V]
+        logits = self.lm_head(rows)                                # [B, N, V] or [B, V]
         aux = torch.cat([keep[i] for i in aux_layers], dim=-1) if aux_layers else None
         return logits, x, aux
 
     def _layer(self, i: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, access, mask: Tensor) -> Tensor:
         bsz, n, _ = x.shape
-        q, k, v = F.linear(layer.ln1(x), layer.qkv_w, layer.qkv_b).split(layer.splits, dim=-1)
+        q, k, v = layer.qkv(layer.ln1(x)).split(layer.splits, dim=-1)
         q = q.view(bsz, n, layer.n_heads, layer.head_dim)
         k = k.view(bsz, n, layer.n_kv, layer.head_dim)
         v = v.view(bsz, n, layer.n_kv, layer.head_dim)
@@ -205,6 +206,6 @@ class LeanCausalLM:
         q = q.transpose(1, 2).reshape(bsz, layer.n_kv, layer.group * n, layer.head_dim)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
         out = out.view(bsz, layer.n_heads, n, layer.head_dim).transpose(1, 2).reshape(bsz, n, -1)
-        x = x + F.linear(out, layer.o_w, layer.o_b)
-        gate, up = F.linear(layer.ln2(x), layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-        return x + F.linear(layer.act(gate) * up, layer.down_w, layer.down_b)
+        x = x + layer.o(out)
+        gate, up = layer.gate_up(layer.ln2(x)).chunk(2, dim=-1)
+        return x + layer.down(layer.act(gate) * up)

@@ -23,7 +23,7 @@ DEFAULT_HEAD = Path("runs/smollm2-135m/eagle3/final")
 log = logging.getLogger("specdec.serve")
 
 
-def build_app(target, method: str = "plain", head=None, *, dtype="float32", device="cpu", max_batch: int = 8,
+def build_app(target, method: str = "plain", head=None, *, dtype=None, device="cpu", max_batch: int = 8,
               max_len: int = 2048, policy: str = "goodput", spec_nodes=None, spec_depth: int | None = None,
               spec_topk: int | None = None, fixed_nodes: int | None = None, disable_batch_size: int = 8,
               cost_profile: str | None = None, max_queue: int = 256, served_model_name: str | None = None,
@@ -46,7 +46,8 @@ def build_app(target, method: str = "plain", head=None, *, dtype="float32", devi
     from .scheduler import Scheduler
 
     if not isinstance(target, Target):
-        target = load_target(target, dtype=dtype, device=device)
+        target = load_target(target, dtype=dtype or "float32", device=device)
+    # dtype None: the engine runs a loaded target in the target's own dtype
     drafter = make_drafter(method, target, head=head, **(drafter_opts or {}))
     if drafter is not None:  # lets the controller read each tree's confidence (its scores)
         drafter = ConfidenceTap(drafter)
