@@ -25,14 +25,14 @@ def _can_pack(weight: Tensor) -> bool:
 class DecodeLinear:
     """``y = x @ weight.T + bias`` for x [..., in]; packed for oneDNN when that is faster."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool | None = None):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
         self.weight, self.bias = weight, bias                                # [out, in], [out]
         self.packed = None
-        if (pack is None and _can_pack(weight)) or pack:
+        if _can_pack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             except RuntimeError:  # an oneDNN build without this layout: the plain call works
-                self.packed = None
+                pass
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is not None and x.dtype == self.weight.dtype:
@@ -46,9 +46,10 @@ def pack_linears(module: torch.nn.Module) -> int:
     Parameters and state_dict are untouched. Returns how many layers were packed."""
     n = 0
     for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and _can_pack(m.weight):
-            fast = DecodeLinear(m.weight.detach(), None if m.bias is None else m.bias.detach())
-            if fast.packed is not None:
-                m.forward = fast  # an instance attribute: nn.Module.__call__ dispatches to it
-                n += 1
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        fast = DecodeLinear(m.weight.detach(), None if m.bias is None else m.bias.detach())
+        if fast.packed is not None:  # fp32 / GPU layers keep their own forward
+            m.forward = fast  # an instance attribute: nn.Module.__call__ dispatches to it
+            n += 1
     return n

@@ -185,7 +185,7 @@ class LeanCausalLM:
         x = self.norm(x)                                                     # [B, N, H] post-norm
         keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output
         rows = x if logits_rows is None else x[torch.arange(bsz, device=x.device), logits_rows]
-        logits = self.lm_head(rows)                                # [B, N, V] or [B, V]
+        logits = self.lm_head(rows)                                          # [B, N, V] or [B, V]
         aux = torch.cat([keep[i] for i in aux_layers], dim=-1) if aux_layers else None
         return logits, x, aux
 
