@@ -271,7 +271,19 @@ class EagleDrafter:
         self.feature_spec = head.feature_spec()
         p = next(head.parameters())
         self.dtype, self.device = p.dtype, p.device
+        self._packed_head: tuple | None = None  # (weight key, DecodeLinear), see _draft_logits
         self.reset(max_batch, max_len)
+
+    def _draft_logits(self, x: Tensor) -> Tensor:
+        """The draft LM head, which runs at every tree level: prepacked when bf16 on CPU. The
+        packed copy is rebuilt whenever the weight changes (moved, cast or trained in place)."""
+        from specdec.infer.models.linear import DecodeLinear
+
+        w = self.head.draft_head_weight()
+        key = (w.data_ptr(), w.dtype, w._version)
+        if self._packed_head is None or self._packed_head[0] != key:
+            self._packed_head = (key, DecodeLinear(w.detach()))
+        return self._packed_head[1](x)
 
     def reset(self, max_batch: int, max_len: int) -> None:
         attn = self.head.layers[0].self_attn
@@ -378,10 +390,10 @@ class EagleDrafter:
         tree_k = torch.zeros(B, attn.num_kv_heads, C, attn.head_dim, device=self.device, dtype=self.dtype)
         tree_v = torch.zeros_like(tree_k)
         state = {"out": root_out[:, None]}                                # outputs of the last frontier
-        head, weight = self.head, self.head.draft_head_weight()
+        head, draft_logits = self.head, self._draft_logits
 
         def logprobs(out: Tensor) -> Tensor:
-            return (head.logit_input(out) @ weight.T).float().log_softmax(-1)
+            return draft_logits(head.logit_input(out)).float().log_softmax(-1)
 
         def step(fr: Frontier) -> Tensor:
             if fr.depth == 0:

@@ -150,8 +150,10 @@ class Eagle3Head(EagleFamily):
 
     # --- the EAGLE family hooks -----------------------------------------------------------------
     def feature_spec(self) -> FeatureSpec:
-        # hidden: the teacher's final feature (training) ; aux: the fused input.
-        return FeatureSpec(hidden=True, aux_layers=tuple(self.config.aux_layers))
+        # hidden: the teacher's final feature (training); aux: the fused input; the target's
+        # top-1 (captured once) spares training a 49k-wide LM-head pass per step just to find
+        # the target's argmax: measured a third of a CPU step.
+        return FeatureSpec(hidden=True, aux_layers=tuple(self.config.aux_layers), topk_logits=1)
 
     def input_feature(self, features: dict[str, Tensor]) -> Tensor:
         aux = features.get("aux")

@@ -57,3 +57,24 @@ def smollm2():
     from specdec.infer.target import load_target
 
     return load_target("smollm2-135m", dtype=torch.float32)
+
+
+def _train_head(head, batch, steps: int, lr: float = 1e-2, fused: bool = False):
+    """Adam on the head's trainable parameters over one fixed batch (fused: the faster kernel for
+    vocabulary-sized matrices). -> (head in eval mode, loss per step)."""
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr, fused=fused)
+    losses = []
+    head.train()
+    for _ in range(steps):
+        loss, metrics = head.loss(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(metrics["loss"])
+    return head.eval(), losses
+
+
+@pytest.fixture(scope="session")
+def train_head():
+    """The short training loop the head tests share (see `_train_head`)."""
+    return _train_head

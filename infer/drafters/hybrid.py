@@ -173,11 +173,9 @@ def make_drafter(target, draft_head=None, head=None, datastore=None, use_pld: bo
         from pathlib import Path
 
         if isinstance(head, (str, Path)):
-            from specdec.heads import load_head
+            from specdec.infer.drafters import load_draft_head
 
-            if not Path(head).is_dir():
-                raise FileNotFoundError(f"hybrid: head folder {head} does not exist")
-            head = load_head(head, target)
+            head = load_draft_head(head, target)
         head_drafter = head.new_drafter(target, **(head_opts or {}))
     pld = PLDDrafter(target, **(pld_opts or {})) if use_pld else None
     rest = make_rest(target, datastore=datastore, **(rest_opts or {})) if use_rest else None

@@ -45,20 +45,6 @@ def reply_mask(seq: torch.Tensor, prompt_len: int = 8) -> torch.Tensor:
     return mask
 
 
-def train(head, batch, steps: int, lr: float = 1e-2):
-    """Adam on the head's trainable parameters; returns (head in eval mode, losses)."""
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    head.train()
-    for _ in range(steps):
-        loss, metrics = head.loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(metrics["loss"])
-    return head.eval(), losses
-
-
 def check_tree(tree, budget, roots: torch.Tensor, vocab_size: int) -> None:
     """The DraftTree contract plus the budget: <= max_nodes draft nodes, <= max_depth levels,
     <= topk children per node, roots first, scores (if any) cumulative probabilities."""
@@ -110,8 +96,8 @@ def speculate(target, drafter, prompt: torch.Tensor, n_new: int, budget, slot: i
     return gen[:n_new], accepted
 
 
-def roundtrip(target, head, folder):
-    """Train `head` 3 steps on a random batch, save it to `folder` and load it back: the loaded
+def roundtrip(target, head, folder, train):
+    """Train `head` 3 steps (with the `train_head` loop) on a random batch, save it to `folder` and load it back: the loaded
     head has the same type, config and loss. -> (loaded head, trained head, batch)."""
     batch = make_batch(target, torch.randint(0, 256, (1, 16)))
     head, _ = train(head, batch, 3)
@@ -150,9 +136,10 @@ def drafts_the_continuation(target, drafter, batch, seq: torch.Tensor) -> None:
 
 
 @pytest.fixture
-def kit():
-    return SimpleNamespace(features=features, batch=make_batch, train=train, reply_mask=reply_mask,
-                           check_tree=check_tree, speculate=speculate, roundtrip=roundtrip,
+def kit(train_head):
+    return SimpleNamespace(features=features, batch=make_batch, train=train_head, reply_mask=reply_mask,
+                           check_tree=check_tree, speculate=speculate,
+                           roundtrip=lambda target, head, folder: roundtrip(target, head, folder, train_head),
                            propose_two_slots=propose_two_slots,
                            drafts_the_continuation=drafts_the_continuation)
 

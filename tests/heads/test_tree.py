@@ -69,8 +69,9 @@ def test_static_tree_budget_and_errors():
 
 def test_budget_constants():
     for b in (CPU_TREE_BUDGET, GPU_TREE_BUDGET):
-        assert num_dynamic_candidates(b) > b.max_nodes and b.max_depth >= 6
+        assert num_dynamic_candidates(b) > b.max_nodes and b.max_depth >= 4
     assert CPU_TREE_BUDGET.max_nodes < GPU_TREE_BUDGET.max_nodes
+    assert CPU_TREE_BUDGET.max_depth < GPU_TREE_BUDGET.max_depth
     with pytest.raises(ValueError):
         TreeBudget(max_nodes=4, max_depth=0, topk=2)
 

@@ -290,3 +290,35 @@ def test_random_head_drafts_losslessly(tiny_target, plain_outputs, head_type, ba
     final = run(engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True), budget=TreeBudget(8, 4, 2))
     for rid, out in final.items():
         assert out.token_ids == plain_outputs[rid].token_ids[:24], (head_type, rid)
+
+
+def test_head_folder_drafts_in_the_targets_dtype(tiny_target, tiny_target_dir, tmp_path):
+    """Heads are saved in fp32; loaded beside a bf16 target they must draft in bf16 (an fp32 head
+    there measured 2x slower drafting), through the head methods and the hybrid alike."""
+    from specdec.heads import get_head_class
+    from specdec.infer.target import load_target
+
+    torch.manual_seed(0)
+    get_head_class("eagle3").from_target(tiny_target).save_pretrained(tmp_path / "h")
+    bf16 = load_target(str(tiny_target_dir), dtype="bfloat16")
+    for method in ("eagle3", "hybrid"):
+        drafter = make_drafter(method, bf16, head=tmp_path / "h")
+        head = drafter.head if method == "eagle3" else drafter.head.head
+        assert {p.dtype for p in head.parameters()} == {torch.bfloat16}, method
+        assert {b.dtype for b in head.buffers() if b.is_floating_point()} <= {torch.bfloat16}
+    with pytest.raises(DrafterError, match="does not exist"):
+        make_drafter("hybrid", bf16, head=tmp_path / "missing")
+
+
+def test_eagle_drafter_logits_follow_the_heads_weights(tiny_target):
+    """The drafter's (packed) draft LM head is rebuilt when the head's weight changes in place."""
+    from specdec.heads import get_head_class
+
+    torch.manual_seed(0)
+    head = get_head_class("eagle3").from_target(tiny_target).eval()
+    drafter = head.new_drafter(tiny_target)
+    x = torch.randn(2, head.config.hidden_size)
+    before = drafter._draft_logits(x)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(2.0)
+    torch.testing.assert_close(drafter._draft_logits(x), 2 * before)

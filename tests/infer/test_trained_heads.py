@@ -84,7 +84,7 @@ def training_batch(smollm2, reference):
 
 
 @pytest.fixture(scope="module")
-def trained_heads(smollm2, training_batch):
+def trained_heads(smollm2, training_batch, train_head):
     """head type -> (head overfitted on the reference replies, its losses); trained on first use
     and shared by the batch-1 and batch-4 tests."""
     batch, states = training_batch
@@ -101,26 +101,10 @@ def trained_heads(smollm2, training_batch):
                 b["aux"] = torch.cat([states[i] for i in spec.aux_layers], dim=-1)  # [B, T, A*H]
             counts = torch.bincount(b["input_ids"][b["loss_mask"]], minlength=smollm2.vocab_size)
             head.set_draft_vocab(counts)         # EAGLE-3: the reply tokens; others: no-op
-            cache[head_type] = _train(head, b, steps, lr)
+            cache[head_type] = train_head(head, b, steps, lr, fused=True)
         return cache[head_type]
 
     return get
-
-
-def _train(head, batch, steps: int, lr: float):
-    """Adam on the head's trainable parameters (as tests/heads/conftest.py's `train`, fused for
-    the vocabulary-sized matrices). -> (head in eval mode, loss per step)."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr, fused=True)
-    losses = []
-    head.train()
-    for _ in range(steps):
-        loss, metrics = head.loss(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(metrics["loss"])
-    return head.eval(), losses
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
