@@ -147,11 +147,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def without_option(args: list[str], name: str) -> list[str]:
+    """``args`` minus every ``name VALUE`` / ``name=VALUE``."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
 class LocalServer:
     """``specdec-serve`` with one policy, in a subprocess on a free loopback port."""
 
     def __init__(self, policy: str, server_args: list[str], log_path: Path, startup_s: float = 300.0):
         self.port, self.log_path = free_port(), log_path
+        if policy == "plain":  # the same server without its drafter (plain takes no head)
+            server_args = without_option(server_args, "--head")
         cmd = [sys.executable, "-m", "specdec.infer.server.cli", *server_args]
         # after the user's arguments: argparse keeps the last value, so the policy always wins
         cmd += ["--method", "plain"] if policy == "plain" else ["--spec-policy", policy]

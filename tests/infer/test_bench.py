@@ -111,3 +111,16 @@ def test_cli_errors_and_serve_dispatch(tmp_path, capsys):
         cli.main(["--serve", "--help"])
     assert exit_info.value.code == 0
     assert "--concurrency" in capsys.readouterr().out
+
+
+def test_plain_policy_server_drops_the_head(tmp_path):
+    """`specdec-bench --serve -- --head DIR`: the plain run is the same server without a drafter
+    (specdec-serve refuses a head with --method plain); the other policies keep the head."""
+    from specdec.infer.bench.serve_load import LocalServer
+
+    args = ["--head", "runs/h", "--dtype", "bfloat16", "--head=runs/h2", "--max-batch", "32"]
+    plain = LocalServer("plain", args, tmp_path / "log").cmd
+    assert "--head" not in plain and not any(a.startswith("--head=") for a in plain)
+    assert plain[plain.index("--method") + 1] == "plain" and "bfloat16" in plain and "32" in plain
+    goodput = LocalServer("goodput", args, tmp_path / "log").cmd
+    assert goodput[goodput.index("--head") + 1] == "runs/h" and "--spec-policy" in goodput
