@@ -63,8 +63,9 @@ class Engine:
         self.last_step = StepStats()
         if drafter is not None:
             drafter.reset(max_batch, max_len)
-            own = getattr(drafter, "default_budget", None)  # an attribute or a method
-            self.default_budget = (own() if callable(own) else own) or default_budget(self.device)
+            own = getattr(drafter, "default_budget", None)  # a TreeBudget, or a method of the device
+            own = own(self.device) if callable(own) else own
+            self.default_budget = own or default_budget(self.device)
         else:
             self.default_budget = PLAIN
 

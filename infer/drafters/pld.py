@@ -16,6 +16,7 @@ protocol over a TokenHistory) and, re-exported from specdec.heads.tree, ``Candid
 from __future__ import annotations
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from specdec.heads.base import FeatureSpec
@@ -153,11 +154,12 @@ class PLDDrafter(HistoryTrieDrafter):
         self.max_matches = int(max_matches)
         self.draft_len = None if draft_len is None else int(draft_len)
         self.history = TokenHistory()
-        on_cpu = str(getattr(getattr(target, "model", None), "device", "cpu")).startswith("cpu")
-        # Lookup drafts cost nothing and copies run long, so on CPU a deeper tree than the
-        # heads' measured best (46 vs 44 tok/s at 8 nodes over 4 levels, 6 Spec-Bench prompts);
-        # elsewhere the device's default.
-        self.default_budget = CPU_LOOKUP_BUDGET if on_cpu else None
+
+    def default_budget(self, device) -> TreeBudget | None:
+        """Lookup drafts cost nothing and copies run long, so on CPU a deeper tree than the heads'
+        measured best (46 vs 44 tok/s at 8 nodes over 4 levels, 6 Spec-Bench prompts); elsewhere
+        None: the device's default."""
+        return CPU_LOOKUP_BUDGET if torch.device(device).type == "cpu" else None
 
     # -- the method --------------------------------------------------------------------------
     def candidates(self, slot: int, root: int, length: int) -> list[list[int]]:

@@ -97,8 +97,9 @@ def speculate(target, drafter, prompt: torch.Tensor, n_new: int, budget, slot: i
 
 
 def roundtrip(target, head, folder, train):
-    """Train `head` 3 steps (with the `train_head` loop) on a random batch, save it to `folder` and load it back: the loaded
-    head has the same type, config and loss. -> (loaded head, trained head, batch)."""
+    """Train `head` 3 steps (with the `train_head` loop) on a random batch, save it to `folder`
+    and load it back: the loaded head has the same type, config and loss.
+    -> (loaded head, trained head, batch)."""
     batch = make_batch(target, torch.randint(0, 256, (1, 16)))
     head, _ = train(head, batch, 3)
     head.save_pretrained(folder)

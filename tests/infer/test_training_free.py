@@ -309,3 +309,15 @@ def test_greedy_output_equals_plain_decoding(method, tiny_target, plain_outputs,
     assert single.token_ids == plain_outputs[0].token_ids
     if name in ("rest", "hybrid"):  # the datastore holds these very answers: drafts get accepted
         assert sum(sum(o.stats["accepted_per_step"]) for o in batch) > 0
+
+
+def test_pld_default_budget_is_deeper_on_cpu_only(tiny_target):
+    """PLD's own default tree (cheap, long copies) applies on CPU; elsewhere the device's default."""
+    from specdec.heads.tree import CPU_TREE_BUDGET
+    from specdec.infer.drafters.pld import CPU_LOOKUP_BUDGET, PLDDrafter
+    from specdec.infer.engine import Engine
+
+    pld = PLDDrafter(tiny_target)
+    assert pld.default_budget("cuda") is None
+    assert Engine(tiny_target, pld, max_batch=1, max_len=64).default_budget == CPU_LOOKUP_BUDGET
+    assert CPU_LOOKUP_BUDGET.max_depth > CPU_TREE_BUDGET.max_depth
