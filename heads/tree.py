@@ -361,12 +361,13 @@ class CandidateTrie:
     def child(self, node: int, token: int) -> int | None:
         return self._child.get((node, int(token)))
 
-    def select(self, max_nodes: int) -> list[int]:
-        """Indices of the kept nodes, root first, parents before children."""
+    def select(self, max_nodes: int, min_score: float = 0.0) -> list[int]:
+        """Indices of the kept nodes, root first, parents before children; nodes scoring below
+        ``min_score`` are not worth their verification cost and are left out."""
         order = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], self.depth[i], i))
         kept, chosen = {0}, [0]
         for i in order:
-            if len(chosen) > max_nodes:
+            if len(chosen) > max_nodes or self.scores[i] < min_score:
                 break
             if self.parents[i] in kept:  # always true for monotone scores; guards the rest
                 kept.add(i)
@@ -375,9 +376,10 @@ class CandidateTrie:
         return sorted(self.kept)
 
 
-def pack_trees(tries: Sequence[CandidateTrie], budget: TreeBudget, device) -> DraftTree:
-    """Cut each trie to the budget (best scores first) and pad them into one DraftTree [B, N]."""
-    return pack_nodes(tries, [t.select(budget.max_nodes) for t in tries], device)
+def pack_trees(tries: Sequence[CandidateTrie], budget: TreeBudget, device, min_score: float = 0.0) -> DraftTree:
+    """Cut each trie to the budget (best scores first, none below ``min_score``) and pad them
+    into one DraftTree [B, N]."""
+    return pack_nodes(tries, [t.select(budget.max_nodes, min_score) for t in tries], device)
 
 
 def pack_nodes(tries: Sequence[CandidateTrie], picked: Sequence[Sequence[int]], device) -> DraftTree:

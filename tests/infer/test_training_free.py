@@ -15,6 +15,7 @@ from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
                                      default_datastore)
+from specdec.infer.drafters.head_gate import HeadGate
 from specdec.infer.drafters.hybrid import HybridDrafter
 from specdec.infer.drafters.lookahead import LookaheadDrafter
 from specdec.infer.drafters.pld import CandidateTrie, PLDDrafter, find_continuations
@@ -262,6 +263,68 @@ def test_hybrid_merges_head_and_retrieval_within_the_budget(store):
     tree = d.propose(torch.tensor([0]), torch.tensor([3]), budget)
     assert tree.top_path(0)[:4] == [3, 20, 21, 22]
     assert head.commits and head.commits[0] == [3, 20, 21]      # sub-drafters see every commit
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_head_gate_plays_the_faster_arm_and_keeps_exploring():
+    clock = FakeClock()
+    gate = HeadGate(decay=0.9, min_samples=2, explore=5, clock=clock)
+    arms = []
+    for _ in range(40):
+        arm = gate.choose(regime=0)
+        arms.append(arm)
+        clock.now += 3.0 if arm else 1.0   # the head's steps take 3x as long ...
+        gate.add_tokens(2 if arm else 1)    # ... for 2x the tokens: it does not pay
+    assert arms[:4] == [True, True, False, False]  # each arm sampled min_samples times first
+    assert gate.rate(0, False) > gate.rate(0, True)
+    tail = arms[10:]
+    assert tail.count(False) > 3 * tail.count(True) and True in tail  # mostly off, still explores
+    # A prefill between two decisions voids the step in flight: no sample is recorded.
+    gate.choose(regime=1)          # (closes the last step above)
+    before = dict(gate.samples)
+    gate.add_tokens(5)
+    gate.interrupt()
+    clock.now += 100.0
+    gate.choose(regime=1)
+    assert sum(gate.samples.values()) == sum(before.values())
+
+
+def test_hybrid_gate_switches_a_slow_head_off():
+    """A head that costs 10x a step and adds nothing gets dropped after its first trials; the
+    retrieval-only tree keeps being proposed."""
+    clock = FakeClock()
+
+    class SlowHead(FixedHead):
+        def propose(self, slots, roots, budget):
+            clock.now += 10.0
+            return super().propose(slots, roots, budget)
+
+    d = HybridDrafter(SlowHead(), PLDDrafter(max_ngram=2), min_score=0.0)
+    d.gate = HeadGate(clock=clock)
+    d.reset(1, 256)
+    d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {"hidden": torch.zeros(7, 4)})
+    budget = TreeBudget(max_nodes=6, max_depth=4, topk=4)
+    for _ in range(40):
+        tree = d.propose(torch.tensor([0]), torch.tensor([3]), budget)
+        assert tree.valid.sum() > 1
+        clock.now += 1.0
+        d.commit(0, torch.tensor([3]), {"hidden": torch.zeros(1, 4)})
+    assert d.steps == 40 and d.head_steps < 12
+
+
+def test_trie_select_leaves_out_nodes_below_min_score():
+    trie = CandidateTrie(0)
+    trie.add([1, 2, 3], [0.9, 0.2, 0.01])
+    trie.add([4], 0.04)
+    assert [trie.tokens[i] for i in trie.select(8)] == [0, 1, 2, 3, 4]
+    assert [trie.tokens[i] for i in trie.select(8, min_score=0.05)] == [0, 1, 2]
 
 
 # ---------------------------------------------------------------------------- lossless
