@@ -36,6 +36,7 @@ class StepStats:
     tokens_verified: int = 0     # valid tree nodes scored by the target, roots included
     prefill_tokens: int = 0      # prompt tokens run this step
     seconds: float = 0.0
+    decode_seconds: float = 0.0  # of which drafting + verification + commit (no prefill)
     accepted: dict = field(default_factory=dict)  # request id -> accepted draft tokens
     budgets: dict = field(default_factory=dict)   # request id -> TreeBudget used
 
@@ -108,7 +109,9 @@ class Engine:
         prefilling = [r for r in self.running.values() if r.root is None]
         outputs = self._prefill(prefilling, stats) if prefilling else []
         if decoding:
+            t1 = time.perf_counter()
             outputs += self._decode(sorted(decoding, key=lambda r: r.slot), budget, stats)
+            stats.decode_seconds = time.perf_counter() - t1
         stats.seconds = time.perf_counter() - t0
         self.last_step = stats
         return outputs
@@ -128,8 +131,12 @@ class Engine:
                 break
             chunks.append((r, r.prompt[r.prefilled:r.prefilled + n]))
             left -= n
-        logits, feats = self.runner.prefill_batch([r.slot for r, _ in chunks], [c for _, c in chunks],
-                                                  [r.prefilled for r, _ in chunks])
+        logits, feats = [None] * len(chunks), [None] * len(chunks)
+        for group in padding_groups([len(c) for _, c in chunks]):
+            lg, ft = self.runner.prefill_batch([chunks[i][0].slot for i in group], [chunks[i][1] for i in group],
+                                               [chunks[i][0].prefilled for i in group])
+            for j, i in enumerate(group):
+                logits[i], feats[i] = lg[j], ft[j]
         outputs = []
         for b, (r, chunk) in enumerate(chunks):
             r.prefilled += len(chunk)
@@ -263,6 +270,22 @@ class Engine:
             self.drafter.release(r.slot)
         self.slots.release(r.slot)
         r.slot = None
+
+
+def padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Split prefill chunks into forwards that each pad little: one padded forward over chunks of
+    10 and 500 tokens computes 1,000 (measured: a server mix prefilled at 490 tok/s instead of
+    ~1,500). Longest first, a chunk joins the current group while the padded tokens stay within
+    (1 + max_waste) x the real ones. Example: [500, 10, 480, 12] -> [[0, 2], [3, 1]]."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and lengths[g[0]] * (len(g) + 1) <= (1 + max_waste) * (sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _pad_trees(rows: list[tuple]) -> DraftTree:

@@ -19,7 +19,7 @@ leaves the budget to the head. All scores are non-increasing along paths, so the
 a tree.
 
 Cost: retrieval is nearly free, the head is not, so the head runs only on steps where it pays,
-judged by measured tokens per second (``head_gate.HeadGate``; off with ``adaptive=False``), and
+judged by measured tokens per second (``specdec.infer.gate.ThroughputGate``; off with ``adaptive=False``), and
 it drafts under the heads' default budget while retrieval may fill the deeper lookup budget
 (PLD's on CPU: long copies). The merged tree is deterministic (``draft_probs`` None): even if the head sampled its
 children, treating the final candidate set as fixed is lossless under the point-mass rule.
@@ -32,13 +32,16 @@ from torch import Tensor
 from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget, default_budget
 
-from .head_gate import HeadGate, regime_of
+from specdec.infer.gate import ThroughputGate
 
 from .pld import CPU_LOOKUP_BUDGET, NO_FEATURES, CandidateTrie, PLDDrafter, pack_trees, token_list
 from .rest import RESTDrafter
 from .rest import make_drafter as make_rest
 
 CPU_MIN_SCORE = 0.05
+# The head gate's regimes, by retrieval's expected accepted length (``expected_length``):
+# nothing useful / a short or doubtful match / a trusted copy.
+REGIME_EDGES = (0.5, 1.5)
 # What `hybrid=VALUE` in a method spec means (specdec-bench): the trained head's folder.
 VALUE_OPTION = "draft_head"
 HEAD = "head"
@@ -74,7 +77,7 @@ class HybridDrafter:
         self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES
         self.estimate = AcceptanceEstimate()
         self.min_score, self.head_depth = min_score, head_depth
-        self.gate = HeadGate() if head_drafter is not None and adaptive else None
+        self.gate = ThroughputGate() if head_drafter is not None and adaptive else None
         self.head_steps = self.steps = 0  # how often the head drafted (reported by tests, bench notes)
         self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
 
@@ -198,6 +201,10 @@ class HybridDrafter:
             node = nxt
 
 
+def regime_of(expected_len: float) -> int:
+    return sum(expected_len >= edge for edge in REGIME_EDGES)
+
+
 def expected_length(trie: CandidateTrie) -> float:
     """Expected accepted tokens if the trie's nodes are scored by acceptance estimates: the sum
     over depths of the best score there (capped at 1 per depth)."""
@@ -225,7 +232,7 @@ def make_drafter(target, draft_head=None, head=None, datastore=None, use_pld: bo
     draft_head (or head): a trained head folder, or an already loaded head, e.g. EAGLE-3; None
     drafts from retrieval only. datastore: REST's datastore folder (None: the default one over
     the bundled prompts). use_pld / use_rest switch the retrieval sources off. adaptive False:
-    the head drafts every step (no HeadGate). min_score: drop merged nodes estimated below it
+    the head drafts every step (no gate). min_score: drop merged nodes estimated below it
     (None: 0.05 on CPU, 0 elsewhere). head_depth: cap the head's draft levels.
     """
     head = draft_head if draft_head is not None else head

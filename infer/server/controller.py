@@ -9,6 +9,12 @@ acceptance estimates (``costmodel.py``). Policies (``--spec-policy``):
       goodput = Σ_r E_r(level_r) / t(B, Σ_r (1 + nodes(level_r)))
   over per-request levels of a small budget grid, with hysteresis (a new plan
   must beat the current one by ``margin`` for ``patience`` steps in a row).
+  Whether to speculate at all is then settled by measurement, not by the model:
+  a ``ThroughputGate`` per batch-size bucket compares the measured decode
+  tokens/s of the model's speculative plan with plain decoding, and plays the
+  winner (replaying the loser every ``explore``-th step). The models are good at
+  *which* budget; a wrong cost or acceptance estimate cannot make the server
+  slower than plain decoding for long.
 * ``always``: one fixed budget for everyone (classic speculative decoding).
 * ``threshold``: the fixed budget while the batch is smaller than
   ``--spec-disable-batch-size``, plain above (vLLM / LMDeploy style).
@@ -25,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.heads.tree import TreeBudget
+
+from specdec.infer.gate import ThroughputGate
 
 from .costmodel import AcceptanceTracker, ConfidenceBlend, CostModel
 
@@ -58,6 +66,7 @@ class StepObservation:
     accepted: dict = field(default_factory=dict)  # request id -> accepted draft tokens
     drafted: dict = field(default_factory=dict)  # request id -> draft depth of the budget used
     prefill_tokens: int = 0  # prompt tokens prefilled in the same step (they cost time too)
+    decode_seconds: float = 0.0  # the decode part of ``seconds`` (0: unknown, use ``seconds``)
     groups: int = 0  # distinct non-plain budgets (one drafter call each)
     confidence: dict = field(default_factory=dict)  # request id -> Σ draft tree scores (ConfidenceTap)
 
@@ -152,20 +161,47 @@ class ThompsonPolicy(Policy):
 
 
 class GoodputPolicy(Policy):
-    """argmax of predicted goodput over per-request levels, with hysteresis."""
+    """argmax of predicted goodput over per-request levels, with hysteresis; speculate or not
+    per batch-size bucket as a ``ThroughputGate`` measures (``gate=False``: the model alone,
+    with one speculative step every ``explore_every`` plain ones to refresh its estimates)."""
 
     name = "goodput"
 
-    def __init__(self, margin: float = 0.05, patience: int = 3, explore_every: int = 64):
+    def __init__(self, margin: float = 0.05, patience: int = 3, explore_every: int = 64, gate: bool = True,
+                 gate_explore: int = 32):
         self.margin, self.patience = margin, patience
         self.explore_every = explore_every  # a plain-only plan never learns what speculation costs
+        # Explore in runs of 3 (the first step after a switch is not sampled), every 32 steps of
+        # a batch-size bucket, every 128 once the other arm is clearly behind: ~2-9% of steps.
+        self.gate = ThroughputGate(decay=0.95, min_samples=4, explore=gate_explore, run=3) if gate else None
         self.current: dict = {}
         self._streak = 0
         self._plain_steps = 0
+        self._played: tuple[int, bool] | None = None
 
     def choose(self, ctl, rids):
         if not rids:
             return {}
+        plan = self._model_plan(ctl, rids)
+        if len(ctl.nodes) < 2:  # plain decoding is the only level
+            return plan
+        if self.gate is None:
+            return self._explore_without_gate(plan, rids)
+        model_speculates = any(plan.values())
+        if not model_speculates:  # what to play if the gate says speculate: the best uniform plan
+            plan = {r: _best_uniform_level(ctl, rids) for r in rids}
+        bucket = ThompsonPolicy.bucket(len(rids))
+        speculate = self.gate.choose(bucket, default=model_speculates)
+        self._played = (bucket, speculate)
+        return plan if speculate else {r: 0 for r in rids}
+
+    def observe(self, ctl, obs):
+        if self._played is not None and obs.accepted:
+            seconds = obs.decode_seconds or obs.seconds
+            self.gate.record(*self._played, sum(obs.accepted.values()) + len(obs.accepted), seconds)
+        self._played = None
+
+    def _model_plan(self, ctl, rids) -> dict:
         exp = ctl.expected_tokens(rids)  # [R, L]
         best = best_plan(exp, ctl.nodes, lambda n, g: ctl.step_time(len(rids), n, g))
         cand = dict(zip(rids, best))
@@ -177,7 +213,10 @@ class GoodputPolicy(Policy):
         if self._streak >= self.patience:
             cur, self._streak = cand, 0
         self.current = cur
-        if any(cur.values()) or len(ctl.nodes) < 2:
+        return cur
+
+    def _explore_without_gate(self, cur: dict, rids) -> dict:
+        if any(cur.values()):
             self._plain_steps = 0
             return cur
         self._plain_steps += 1
@@ -185,6 +224,15 @@ class GoodputPolicy(Policy):
             self._plain_steps = 0  # one cheap speculative step to refresh the estimates
             return {r: 1 for r in rids}
         return cur
+
+
+def _best_uniform_level(ctl, rids) -> int:
+    """The non-plain level whose uniform plan the models rate best."""
+    exp = ctl.expected_tokens(rids)
+    R = len(rids)
+    rated = [(float(exp[:, l].sum()) / ctl.step_time(R, R * (1 + ctl.nodes[l]), 1), l)
+             for l in range(len(ctl.nodes)) if ctl.nodes[l] > 0]
+    return max(rated)[1]
 
 
 def best_plan(expected: np.ndarray, nodes: list[int], step_time) -> list[int]:

@@ -268,4 +268,5 @@ def observation(stats, wall: float) -> StepObservation:
         accepted=dict(stats.accepted),
         drafted={r: b.max_depth for r, b in budgets.items()},
         prefill_tokens=int(getattr(stats, "prefill_tokens", 0)),
+        decode_seconds=float(getattr(stats, "decode_seconds", 0.0)),
         groups=len({b for b in budgets.values() if b.max_nodes > 0}))

@@ -159,7 +159,7 @@ def test_hysteresis_prevents_flapping():
 
     def run(margin, patience, wobble):
         ctl = make_controller("goodput", grid=grid, cost=cost, margin=margin, patience=patience,
-                              explore_every=0)
+                              explore_every=0, gate=False)
         ctl.expected_tokens = lambda rids: np.array([[1.0, wobble[ctl.steps % len(wobble)]]])
         levels = []
         for _ in range(60):
@@ -175,10 +175,38 @@ def test_hysteresis_prevents_flapping():
 
 
 def test_goodput_explores_when_stuck_plain():
-    ctl = make_controller("goodput", grid=budget_grid((0, 4)), explore_every=5,
+    ctl = make_controller("goodput", grid=budget_grid((0, 4)), explore_every=5, gate=False,
                           cost=CostModel(prior=CostPrior(a=0.001, b=0, c=0.01)))
     chosen = [ctl.plan(["r"])["r"].max_nodes for _ in range(10)]
     assert chosen.count(0) == 8 and chosen[4] == chosen[9] == 4
+
+
+@pytest.mark.parametrize("model_says_speculate", [True, False])
+def test_goodput_gate_trusts_measured_decode_speed_over_the_models(model_says_speculate):
+    """Whatever the cost model predicts, the measured decode tokens/s decide whether the batch
+    speculates: here speculation really is 1.5x faster when the model thinks it loses, and
+    really 2x slower when the model thinks it wins."""
+    cheap = CostPrior(a=0.030, b=0.0, c=0.0001)   # verification nearly free: the model speculates
+    dear = CostPrior(a=0.001, b=0.0, c=0.010)     # every token costs a step: the model stays plain
+    ctl = make_controller("goodput", grid=budget_grid((0, 4)), cost=CostModel(prior=cheap if model_says_speculate else dear))
+    rids = ["a", "b"]
+    for r in rids:
+        for _ in range(20):
+            ctl.acceptance.observe(r, 1, drafted=4, accepted=2)
+    speed = {True: 50.0 if model_says_speculate else 150.0, False: 100.0}  # measured tokens/s
+    plans = []
+    for _ in range(200):
+        plan = ctl.plan(rids)
+        spec = any(b.max_nodes for b in plan.values())
+        plans.append(spec)
+        tokens = 2 * (3 if spec else 1)
+        ctl.observe(StepObservation(batch_size=2, tokens=10 if spec else 2, seconds=tokens / speed[spec] + 0.5,
+                                    decode_seconds=tokens / speed[spec],
+                                    accepted={r: 2 if spec else 0 for r in rids}))
+    assert plans[0] == model_says_speculate                     # the model's call until measured
+    faster = speed[True] > speed[False]
+    late = plans[-96:]
+    assert late.count(faster) >= 0.9 * len(late) and late.count(not faster) >= 2  # still explores
 
 
 def test_thompson_converges_to_the_better_arm():

@@ -11,7 +11,7 @@ import torch
 from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.drafters import DrafterError, available_methods, make_drafter
-from specdec.infer.engine import Engine
+from specdec.infer.engine import Engine, padding_groups
 from specdec.infer.requests import SamplingParams
 
 BUDGET = TreeBudget(max_nodes=10, max_depth=5, topk=3)
@@ -214,6 +214,29 @@ def test_chunked_prefill_is_lossless(tiny_target, plain_outputs):
                 budget=BUDGET)
     for rid, out in final.items():
         assert out.token_ids == plain_outputs[rid].token_ids
+
+
+def test_prefill_groups_keep_padding_small(tiny_target, plain_outputs):
+    """New prompts of very different lengths are prefilled in separate forwards (one padded
+    forward over 10 + 500 tokens would compute 1,000), and the outputs stay exact."""
+    assert padding_groups([500, 10, 480, 12]) == [[0, 2], [3, 1]]
+    assert padding_groups([7, 7, 7]) == [[0, 1, 2]]
+    groups = padding_groups([300, 5, 120, 90, 4, 100, 1])
+    assert sorted(i for g in groups for i in g) == list(range(7))
+    lengths = [300, 5, 120, 90, 4, 100, 1]
+    for g in groups:
+        assert max(lengths[i] for i in g) * len(g) <= 1.25 * sum(lengths[i] for i in g) or len(g) == 1
+
+    engine = Engine(tiny_target, None, max_batch=4, max_len=256)
+    calls = []
+    prefill = engine.runner.prefill_batch
+    engine.runner.prefill_batch = lambda slots, ids, starts: calls.append(len(slots)) or prefill(slots, ids, starts)
+    prompts = prompts_of(tiny_target.tokenizer, 4)
+    assert len({len(p) for p in prompts.values()}) > 1
+    final = run(engine, prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    for rid, out in final.items():
+        assert out.token_ids == plain_outputs[rid].token_ids
+    assert sum(calls) == 4
 
 
 def test_seeded_sampling_is_reproducible(tiny_target):

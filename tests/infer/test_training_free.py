@@ -15,7 +15,7 @@ from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
                                      default_datastore)
-from specdec.infer.drafters.head_gate import HeadGate
+from specdec.infer.gate import ThroughputGate
 from specdec.infer.drafters.hybrid import HybridDrafter
 from specdec.infer.drafters.lookahead import LookaheadDrafter
 from specdec.infer.drafters.pld import CandidateTrie, PLDDrafter, find_continuations
@@ -273,19 +273,21 @@ class FakeClock:
         return self.now
 
 
-def test_head_gate_plays_the_faster_arm_and_keeps_exploring():
+def test_throughput_gate_plays_the_faster_arm_and_keeps_exploring():
     clock = FakeClock()
-    gate = HeadGate(decay=0.9, min_samples=2, explore=5, clock=clock)
+    gate = ThroughputGate(decay=0.9, min_samples=2, explore=6, run=2, clear=0.1, clock=clock)
     arms = []
-    for _ in range(40):
+    for _ in range(60):
         arm = gate.choose(regime=0)
         arms.append(arm)
         clock.now += 3.0 if arm else 1.0   # the head's steps take 3x as long ...
         gate.add_tokens(2 if arm else 1)    # ... for 2x the tokens: it does not pay
-    assert arms[:4] == [True, True, False, False]  # each arm sampled min_samples times first
+    # Each arm is sampled min_samples times first; the first step after a switch is not sampled.
+    assert arms[:5] == [True, True, False, False, False]
     assert gate.rate(0, False) > gate.rate(0, True)
-    tail = arms[10:]
-    assert tail.count(False) > 3 * tail.count(True) and True in tail  # mostly off, still explores
+    tail = arms[12:]
+    assert tail.count(False) >= 2 * tail.count(True) and True in tail  # mostly off, explores in runs
+    assert any(a and b for a, b in zip(tail, tail[1:]))
     # A prefill between two decisions voids the step in flight: no sample is recorded.
     gate.choose(regime=1)          # (closes the last step above)
     before = dict(gate.samples)
@@ -294,6 +296,17 @@ def test_head_gate_plays_the_faster_arm_and_keeps_exploring():
     clock.now += 100.0
     gate.choose(regime=1)
     assert sum(gate.samples.values()) == sum(before.values())
+
+
+def test_throughput_gate_follows_a_default_until_it_has_measured_both_arms():
+    gate = ThroughputGate(min_samples=2, explore=8, run=3)
+    arms = []
+    for _ in range(7):
+        arms.append(gate.choose(0, default=False))
+        gate.record(0, arms[-1], tokens=1, seconds=1)
+    assert arms == [False] * 4 + [True] * 3          # the default, then an exploration run
+    # The first step of the run (a switch) was not sampled: 2 samples of the explored arm.
+    assert gate.samples == {(0, False): 4, (0, True): 2}
 
 
 def test_hybrid_gate_switches_a_slow_head_off():
@@ -307,7 +320,7 @@ def test_hybrid_gate_switches_a_slow_head_off():
             return super().propose(slots, roots, budget)
 
     d = HybridDrafter(SlowHead(), PLDDrafter(max_ngram=2), min_score=0.0)
-    d.gate = HeadGate(clock=clock)
+    d.gate = ThroughputGate(clock=clock)
     d.reset(1, 256)
     d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {"hidden": torch.zeros(7, 4)})
     budget = TreeBudget(max_nodes=6, max_depth=4, topk=4)
