@@ -43,16 +43,22 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     from .controller import ConfidenceTap, budget_grid, make_controller
     from .costmodel import CostModel
     from .metrics import ServerMetrics
-    from .scheduler import Scheduler
+    from .scheduler import Scheduler, TorchThread
 
-    if not isinstance(target, Target):
-        target = load_target(target, dtype=dtype or "float32", device=device)
-    # dtype None: the engine runs a loaded target in the target's own dtype
-    drafter = make_drafter(method, target, head=head, **(drafter_opts or {}))
-    if drafter is not None:  # lets the controller read each tree's confidence (its scores)
-        drafter = ConfidenceTap(drafter)
-    engine = Engine(target, drafter, max_batch=max_batch, max_len=max_len, dtype=dtype, device=device,
-                    prefill_chunk=prefill_chunk)
+    def build_engine():
+        nonlocal target
+        if not isinstance(target, Target):
+            target = load_target(target, dtype=dtype or "float32", device=device)
+        # dtype None: the engine runs a loaded target in the target's own dtype
+        drafter = make_drafter(method, target, head=head, **(drafter_opts or {}))
+        if drafter is not None:  # lets the controller read each tree's confidence (its scores)
+            drafter = ConfidenceTap(drafter)
+        return Engine(target, drafter, max_batch=max_batch, max_len=max_len, dtype=dtype, device=device,
+                      prefill_chunk=prefill_chunk)
+
+    torch_thread = TorchThread()  # every torch call on one thread (see TorchThread)
+    engine = torch_thread.call(build_engine)
+    drafter = engine.drafter
     controller = None
     if drafter is not None:
         top = engine.default_budget  # the drafter's own, else the device's (heads.tree.default_budget)
@@ -64,7 +70,8 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
                                      disable_batch_size=disable_batch_size)
     name = served_model_name or target.name
     metrics = ServerMetrics()
-    scheduler = Scheduler(engine, controller, metrics, max_batch=max_batch, max_queue=max_queue)
+    scheduler = Scheduler(engine, controller, metrics, max_batch=max_batch, max_queue=max_queue,
+                          torch_thread=torch_thread)
     config = ServerConfig(model_name=name, max_len=max_len, api_key=api_key, max_body_bytes=max_body_bytes,
                           max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
                           aliases=(target.name,))

@@ -1,6 +1,6 @@
 """Continuous batching: one background thread drives the Engine step by step.
 
-All torch work happens on that thread. The asyncio side talks to it through a
+All torch work happens on that thread (``TorchThread``: the engine is built there too). The asyncio side talks to it through a
 thread-safe command queue (``submit`` / ``abort``); results come back as
 ``Delta`` objects put on each request's ``asyncio.Queue`` with
 ``loop.call_soon_threadsafe``. Between two engine steps the thread admits
@@ -80,11 +80,53 @@ class RequestHandle:
                 "mean_budget": round(self.budget_nodes / steps, 3)}
 
 
+class TorchThread:
+    """The one thread that makes every torch call of the server: loading, and then the engine loop.
+
+    Each thread that runs torch ops gets its own OpenMP team; with two teams on a 2-core CPU
+    libgomp throttles its spinning and every parallel region waits on a futex wake-up
+    (measured: a decode loop on a second thread after loading on the main one ran at 26 tok/s
+    instead of 41; everything on one thread, whichever, 42). ``call(fn)`` runs fn there and
+    returns its result (or raises its error); ``submit(fn)`` starts fn there and returns a
+    ``threading.Event`` set when it ends.
+    """
+
+    def __init__(self, name: str = "specdec-engine"):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as err:  # handed to the caller
+                box.append((False, err))
+            finally:
+                done.set()
+
+    def submit(self, fn) -> threading.Event:
+        done = threading.Event()
+        self._jobs.put((fn, [], done))
+        return done
+
+    def call(self, fn):
+        box, done = [], threading.Event()
+        self._jobs.put((fn, box, done))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
 class Scheduler:
-    """Owns the engine thread, the waiting queue and the per-step controller call."""
+    """Owns the engine loop (on a ``TorchThread``), the waiting queue and the per-step controller call."""
 
     def __init__(self, engine, controller: SpeculationController | None, metrics: ServerMetrics,
-                 max_batch: int, max_queue: int = 256, idle_poll_s: float = 0.5):
+                 max_batch: int, max_queue: int = 256, idle_poll_s: float = 0.5,
+                 torch_thread: TorchThread | None = None):
         self.engine, self.controller, self.metrics = engine, controller, metrics
         self.max_batch, self.max_queue, self.idle_poll_s = max_batch, max_queue, idle_poll_s
         self._commands: queue.Queue = queue.Queue()
@@ -93,7 +135,8 @@ class Scheduler:
         self._waiting: deque[RequestHandle] = deque()  # engine thread only
         self._running: dict[str, RequestHandle] = {}  # engine thread only
         self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
+        self._torch_thread = torch_thread  # where the engine was built (None: a new one at start)
+        self._loop_done: threading.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self.active = 0  # submitted and not finished (read by the drain logic)
@@ -101,8 +144,8 @@ class Scheduler:
     # --- asyncio side ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
-        self._thread.start()
+        self._torch_thread = self._torch_thread or TorchThread()
+        self._loop_done = self._torch_thread.submit(self._run)
 
     def submit(self, prompt_ids: list[int], params, prefix: str = "cmpl") -> RequestHandle:
         if self.draining:
@@ -132,9 +175,9 @@ class Scheduler:
         return True
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if self._loop_done is not None and not self._loop_done.is_set():
             self._commands.put(("stop", None))
-            self._thread.join(timeout)
+            self._loop_done.wait(timeout)
 
     # --- engine thread -----------------------------------------------------------------
     def _send(self, handle: RequestHandle, delta: Delta) -> None:

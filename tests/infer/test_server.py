@@ -314,3 +314,26 @@ def test_serve_load_refuses_non_loopback_endpoints():
         with pytest.raises(BenchError):
             check_loopback(url)
     assert main(["--endpoint", "http://192.168.1.5:8000", "--questions", os.devnull]) == 2
+
+
+def test_torch_thread_runs_every_call_on_one_thread():
+    """The server builds the engine and runs its loop on one TorchThread (two threads making
+    torch calls get two OpenMP teams, which throttle each other on a small CPU)."""
+    from specdec.infer.server.scheduler import TorchThread
+
+    worker = TorchThread()
+    first = worker.call(threading.get_ident)
+    assert first != threading.get_ident() and worker.call(threading.get_ident) == first
+    with pytest.raises(ZeroDivisionError):
+        worker.call(lambda: 1 / 0)
+    seen = []
+    done = worker.submit(lambda: seen.append(threading.get_ident()))
+    assert done.wait(5) and seen == [first]
+
+
+def test_build_app_decodes_on_the_thread_that_built_the_engine(server):
+    app, _ = server
+    scheduler = app.state.scheduler
+    worker = scheduler._torch_thread  # build_app made the engine there (TorchThread.call)
+    assert worker is not None and worker._thread.name == "specdec-engine" and worker._thread.is_alive()
+    assert scheduler._loop_done is not None and not scheduler._loop_done.is_set()  # the loop runs there too
