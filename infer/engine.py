@@ -277,14 +277,15 @@ def padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int
     10 and 500 tokens computes 1,000 (measured: a server mix prefilled at 490 tok/s instead of
     ~1,500). Longest first, a chunk joins the current group while the padded tokens stay within
     (1 + max_waste) x the real ones. Example: [500, 10, 480, 12] -> [[0, 2], [3, 1]]."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
-    for i in order:
-        g = groups[-1] if groups else None
-        if g is not None and lengths[g[0]] * (len(g) + 1) <= (1 + max_waste) * (sum(lengths[j] for j in g) + lengths[i]):
-            g.append(i)
+    real = 0  # real tokens of the current group; its first chunk is its longest
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + max_waste) * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
         else:
             groups.append([i])
+            real = lengths[i]
     return groups
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+
 class ThroughputGate:
     """``choose(regime) -> bool`` each step, then either ``record(...)`` or (clock mode)
     ``add_tokens(n)`` on commit and ``interrupt()`` on prefill.

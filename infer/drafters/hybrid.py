@@ -19,10 +19,11 @@ leaves the budget to the head. All scores are non-increasing along paths, so the
 a tree.
 
 Cost: retrieval is nearly free, the head is not, so the head runs only on steps where it pays,
-judged by measured tokens per second (``specdec.infer.gate.ThroughputGate``; off with ``adaptive=False``), and
-it drafts under the heads' default budget while retrieval may fill the deeper lookup budget
-(PLD's on CPU: long copies). The merged tree is deterministic (``draft_probs`` None): even if the head sampled its
-children, treating the final candidate set as fixed is lossless under the point-mass rule.
+judged by measured tokens per second (``specdec.infer.gate.ThroughputGate``; off with
+``adaptive=False``), and it drafts under the heads' default budget while retrieval may fill the
+deeper lookup budget (PLD's on CPU: long copies). The merged tree is deterministic
+(``draft_probs`` None): even if the head sampled its children, treating the final candidate set
+as fixed is lossless under the point-mass rule.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class HybridDrafter:
                  head_depth: int | None = None):
         if head_drafter is None and pld is None and rest is None:
             raise ValueError("hybrid needs at least one source (a head, pld or rest)")
+        if head_depth is not None and head_depth < 1:
+            raise ValueError(f"hybrid head_depth must be >= 1 (or None: the device's), got {head_depth}")
         self.head, self.pld, self.rest = head_drafter, pld, rest
         self.retrieval = {name: d for name, d in (("pld", pld), ("rest", rest)) if d is not None}
         self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES

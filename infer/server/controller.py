@@ -182,14 +182,15 @@ class GoodputPolicy(Policy):
     def choose(self, ctl, rids):
         if not rids:
             return {}
-        plan = self._model_plan(ctl, rids)
+        exp = ctl.expected_tokens(rids)  # [R, L]
+        plan = self._model_plan(ctl, rids, exp)
         if len(ctl.nodes) < 2:  # plain decoding is the only level
             return plan
         if self.gate is None:
             return self._explore_without_gate(plan, rids)
         model_speculates = any(plan.values())
         if not model_speculates:  # what to play if the gate says speculate: the best uniform plan
-            plan = {r: _best_uniform_level(ctl, rids) for r in rids}
+            plan = dict.fromkeys(rids, _best_uniform_level(ctl, exp))
         bucket = ThompsonPolicy.bucket(len(rids))
         speculate = self.gate.choose(bucket, default=model_speculates)
         self._played = (bucket, speculate)
@@ -201,8 +202,7 @@ class GoodputPolicy(Policy):
             self.gate.record(*self._played, sum(obs.accepted.values()) + len(obs.accepted), seconds)
         self._played = None
 
-    def _model_plan(self, ctl, rids) -> dict:
-        exp = ctl.expected_tokens(rids)  # [R, L]
+    def _model_plan(self, ctl, rids, exp: np.ndarray) -> dict:
         best = best_plan(exp, ctl.nodes, lambda n, g: ctl.step_time(len(rids), n, g))
         cand = dict(zip(rids, best))
         # Requests that just joined take the new plan's level at once: nothing to flap from.
@@ -226,10 +226,9 @@ class GoodputPolicy(Policy):
         return cur
 
 
-def _best_uniform_level(ctl, rids) -> int:
-    """The non-plain level whose uniform plan the models rate best."""
-    exp = ctl.expected_tokens(rids)
-    R = len(rids)
+def _best_uniform_level(ctl, exp: np.ndarray) -> int:
+    """The non-plain level whose uniform plan the models rate best (exp [R, L] expected tokens)."""
+    R = exp.shape[0]
     rated = [(float(exp[:, l].sum()) / ctl.step_time(R, R * (1 + ctl.nodes[l]), 1), l)
              for l in range(len(ctl.nodes)) if ctl.nodes[l] > 0]
     return max(rated)[1]

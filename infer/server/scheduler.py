@@ -1,7 +1,7 @@
 """Continuous batching: one background thread drives the Engine step by step.
 
-All torch work happens on that thread (``TorchThread``: the engine is built there too). The asyncio side talks to it through a
-thread-safe command queue (``submit`` / ``abort``); results come back as
+All torch work happens on that thread (``TorchThread``: the engine is built there too).
+The asyncio side talks to it through a thread-safe command queue (``submit`` / ``abort``); results come back as
 ``Delta`` objects put on each request's ``asyncio.Queue`` with
 ``loop.call_soon_threadsafe``. Between two engine steps the thread admits
 waiting requests into free slots (the engine prefills them in chunks inside
@@ -17,6 +17,8 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .controller import ConfidenceTap, SpeculationController, StepObservation
@@ -87,38 +89,31 @@ class TorchThread:
     libgomp throttles its spinning and every parallel region waits on a futex wake-up
     (measured: a decode loop on a second thread after loading on the main one ran at 26 tok/s
     instead of 41; everything on one thread, whichever, 42). ``call(fn)`` runs fn there and
-    returns its result (or raises its error); ``submit(fn)`` starts fn there and returns a
-    ``threading.Event`` set when it ends.
+    returns its result (or raises its error); ``submit(fn)`` starts fn there and returns its
+    ``concurrent.futures.Future``.
     """
 
     def __init__(self, name: str = "specdec-engine"):
         self._jobs: queue.Queue = queue.Queue()
+        # A daemon thread (unlike a ThreadPoolExecutor's): a step stuck at exit cannot hold it up.
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     def _work(self) -> None:
         while True:
-            fn, box, done = self._jobs.get()
+            fn, future = self._jobs.get()
             try:
-                box.append((True, fn()))
+                future.set_result(fn())
             except BaseException as err:  # handed to the caller
-                box.append((False, err))
-            finally:
-                done.set()
+                future.set_exception(err)
 
-    def submit(self, fn) -> threading.Event:
-        done = threading.Event()
-        self._jobs.put((fn, [], done))
-        return done
+    def submit(self, fn) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
 
     def call(self, fn):
-        box, done = [], threading.Event()
-        self._jobs.put((fn, box, done))
-        done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+        return self.submit(fn).result()
 
 
 class Scheduler:
@@ -136,7 +131,7 @@ class Scheduler:
         self._running: dict[str, RequestHandle] = {}  # engine thread only
         self._ids = itertools.count()
         self._torch_thread = torch_thread  # where the engine was built (None: a new one at start)
-        self._loop_done: threading.Event | None = None
+        self._loop_done: Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self.active = 0  # submitted and not finished (read by the drain logic)
@@ -175,9 +170,9 @@ class Scheduler:
         return True
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self._loop_done is not None and not self._loop_done.is_set():
+        if self._loop_done is not None and not self._loop_done.done():
             self._commands.put(("stop", None))
-            self._loop_done.wait(timeout)
+            futures.wait([self._loop_done], timeout)
 
     # --- engine thread -----------------------------------------------------------------
     def _send(self, handle: RequestHandle, delta: Delta) -> None:

@@ -328,7 +328,8 @@ def test_torch_thread_runs_every_call_on_one_thread():
         worker.call(lambda: 1 / 0)
     seen = []
     done = worker.submit(lambda: seen.append(threading.get_ident()))
-    assert done.wait(5) and seen == [first]
+    done.result(timeout=5)
+    assert done.done() and seen == [first]
 
 
 def test_build_app_decodes_on_the_thread_that_built_the_engine(server):
@@ -336,4 +337,4 @@ def test_build_app_decodes_on_the_thread_that_built_the_engine(server):
     scheduler = app.state.scheduler
     worker = scheduler._torch_thread  # build_app made the engine there (TorchThread.call)
     assert worker is not None and worker._thread.name == "specdec-engine" and worker._thread.is_alive()
-    assert scheduler._loop_done is not None and not scheduler._loop_done.is_set()  # the loop runs there too
+    assert scheduler._loop_done is not None and not scheduler._loop_done.done()  # the loop runs there too

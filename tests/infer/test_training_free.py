@@ -330,6 +330,8 @@ def test_hybrid_gate_switches_a_slow_head_off():
         clock.now += 1.0
         d.commit(0, torch.tensor([3]), {"hidden": torch.zeros(1, 4)})
     assert d.steps == 40 and d.head_steps < 12
+    with pytest.raises(ValueError, match="head_depth"):
+        HybridDrafter(SlowHead(), PLDDrafter(), head_depth=0)
 
 
 def test_trie_select_leaves_out_nodes_below_min_score():
