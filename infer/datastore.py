@@ -252,26 +252,35 @@ class Datastore:
                depth: int = 8, max_retrieve: int = 256) -> tuple[int, np.ndarray]:
         """Continuations of the longest suffix of ``context`` found in the corpus.
 
-        Tries suffix lengths max_suffix..min_suffix, longest first (REST's "exact match" step).
+        The longest suffix of length max_suffix..min_suffix that occurs (REST's "exact match").
         Returns (matched length, continuations [R, depth] int64, -1 padded past a document's
         end); R <= max_retrieve, taken evenly across the match range when it is larger (the
         range is sorted by continuation, so an even stride keeps the frequencies' shape).
         """
         ctx = [int(t) for t in context[-max_suffix:]]
-        for m in range(len(ctx), max(min_suffix, 1) - 1, -1):
+        # Matching is monotone in m (if the last m tokens occur, so do the last m - 1): binary
+        # search for the longest, ~4 suffix-array searches instead of up to 16.
+        found, lo_m, hi_m = None, max(min_suffix, 1), len(ctx)
+        while lo_m <= hi_m:
+            m = (lo_m + hi_m) // 2
             lo, hi = self.find(ctx[-m:])
             if hi > lo:
-                count = hi - lo
-                picks = (np.arange(count) if count <= max_retrieve
-                         else np.linspace(0, count - 1, num=max_retrieve).astype(np.int64))
-                starts = np.asarray(self.suffix_array[lo + picks], dtype=np.int64) + m  # [R]
-                offs = starts[:, None] + np.arange(depth)[None, :]  # [R, depth]
-                inside = offs < len(self.tokens)
-                cont = np.where(inside, np.asarray(self.tokens)[np.minimum(offs, len(self.tokens) - 1)],
-                                SEP).astype(np.int64)
-                # Past the first separator a continuation belongs to the next document.
-                cont[np.cumsum(cont == SEP, axis=1) > 0] = SEP
-                return m, cont
+                found, lo_m = (m, lo, hi), m + 1
+            else:
+                hi_m = m - 1
+        if found is not None:
+            m, lo, hi = found
+            count = hi - lo
+            picks = (np.arange(count) if count <= max_retrieve
+                     else np.linspace(0, count - 1, num=max_retrieve).astype(np.int64))
+            starts = np.asarray(self.suffix_array[lo + picks], dtype=np.int64) + m  # [R]
+            offs = starts[:, None] + np.arange(depth)[None, :]  # [R, depth]
+            inside = offs < len(self.tokens)
+            cont = np.where(inside, np.asarray(self.tokens)[np.minimum(offs, len(self.tokens) - 1)],
+                            SEP).astype(np.int64)
+            # Past the first separator a continuation belongs to the next document.
+            cont[np.cumsum(cont == SEP, axis=1) > 0] = SEP
+            return m, cont
         return 0, np.zeros((0, depth), dtype=np.int64)
 
 

@@ -39,6 +39,7 @@ class StepStats:
     decode_seconds: float = 0.0  # of which drafting + verification + commit (no prefill)
     accepted: dict = field(default_factory=dict)  # request id -> accepted draft tokens
     budgets: dict = field(default_factory=dict)   # request id -> TreeBudget used
+    verified: dict = field(default_factory=dict)  # request id -> tree nodes verified (root included)
 
 
 class Engine:
@@ -179,6 +180,7 @@ class Engine:
         if max(n_list) > 0:  # roots already sit at base_len: only accepted drafts move
             self.runner.commit(slots, base_lens, path, n_acc)
         stats.batch_size, stats.tokens_verified = len(live), int(tree.valid.sum())
+        row_nodes = tree.valid.sum(1).tolist()
         for b, r in enumerate(live):
             nodes = path[b, :n_list[b] + 1]                                      # [n+1] root first
             committed = tree.tokens[b, nodes]
@@ -188,6 +190,7 @@ class Engine:
             r.root = bonus_list[b]
             r.accepted.append(n_list[b])
             stats.accepted[r.id], stats.budgets[r.id] = n_list[b], budgets[b]
+            stats.verified[r.id] = int(row_nodes[b])
             outputs.append(self._emit(r, committed[1:].tolist() + [r.root]))
         return outputs
 

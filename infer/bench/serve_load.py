@@ -260,7 +260,10 @@ def parse_args(argv=None):
     p.add_argument("--endpoint", help="an already running OpenAI-compatible server (loopback only)")
     p.add_argument("--policies", default=",".join(POLICIES), help="server runs to compare (ignored with --endpoint)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
-    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default 4 × concurrency, ≥ 8)")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per level (default 4 × concurrency, ≥ 16)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="requests sent to each server (2 at a time) before the measured levels, not counted: "
+                        "a fresh server pays first-time costs (kernel set-up per shape, allocations)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--level-timeout-s", type=float, default=300.0, help="time bound of one concurrency level")
     p.add_argument("--questions", help="Spec-Bench question.jsonl (default: the shipped one)")
@@ -280,8 +283,11 @@ def main(argv=None) -> int:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1 or max(levels) > 256:
             raise BenchError("--concurrency takes integers in 1..256")
-        need = max(args.num_prompts or max(4 * c, 8) for c in levels)
-        prompts = load_prompts(args.questions, need)
+        need = max(args.num_prompts or max(4 * c, 16) for c in levels)
+        if args.warmup < 0:
+            raise BenchError("--warmup takes a count >= 0")
+        prompts = load_prompts(args.questions, need + args.warmup)
+        warmup, prompts = prompts[need:], prompts[:need]  # warm-up prompts are not measured ones
         runs: dict[str, list[dict]] = {}
         servers: dict[str, dict] = {}
         model = args.model
@@ -298,8 +304,10 @@ def main(argv=None) -> int:
                 url = server.base if server else base
                 model = model or served_model(url, args.api_key)
                 runs[name] = []
+                if warmup:
+                    asyncio.run(run_level(url, model, warmup, 2, args.max_tokens, args.level_timeout_s, args.api_key))
                 for c in levels:
-                    n = args.num_prompts or max(4 * c, 8)
+                    n = args.num_prompts or max(4 * c, 16)
                     res = asyncio.run(run_level(url, model, prompts[:n], c, args.max_tokens,
                                                 args.level_timeout_s, args.api_key))
                     print(f"{name:>9} c={c:<3} {res['throughput_tok_s']:8.1f} tok/s  "
@@ -308,7 +316,7 @@ def main(argv=None) -> int:
                     runs[name].append(res)
             if server:
                 servers[name] = {"command": server.cmd, "exit_code": server.exit_code, "log": str(server.log_path)}
-        report = {"model": model, "max_tokens": args.max_tokens, "concurrency": levels, "runs": runs,
+        report = {"model": model, "max_tokens": args.max_tokens, "concurrency": levels, "warmup": len(warmup), "runs": runs,
                   "servers": servers}
         for path in write_report(report, Path(args.out)):
             print(path)

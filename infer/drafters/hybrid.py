@@ -83,6 +83,7 @@ class HybridDrafter:
         self.gate = ThroughputGate() if head_drafter is not None and adaptive else None
         self.head_steps = self.steps = 0  # how often the head drafted (reported by tests, bench notes)
         self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
+        self._timed: set[int] = set()  # slots of the proposal the gate is timing, until they commit
 
     def _all(self):
         return ([self.head] if self.head is not None else []) + list(self.retrieval.values())
@@ -103,14 +104,18 @@ class HybridDrafter:
         self.last_trie.pop(slot, None)
         if self.gate is not None:
             self.gate.interrupt()
+            self._timed.clear()
 
     def commit(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
         committed = token_list(token_ids)
         self.learn(slot, committed)
-        if self.gate is not None:
-            self.gate.add_tokens(len(committed))
         for d in self._all():
             d.commit(slot, token_ids, features)
+        if slot in self._timed:  # the gate times propose -> verify -> commit of drafted slots only:
+            self._timed.discard(slot)  # plain steps between two proposals are no arm's cost
+            self.gate.add_tokens(len(committed))
+            if not self._timed:
+                self.gate.close()
 
     def release(self, slot: int) -> None:
         for d in self._all():
@@ -127,7 +132,7 @@ class HybridDrafter:
             self.last_trie[slot] = trie
             tries.append(trie)
         self.steps += 1
-        if self.head is not None and self._head_pays(tries):
+        if self.head is not None and self._head_pays(tries, slot_list):
             self.head_steps += 1
             head_tree = self.head.propose(slots, roots, _head_budget(budget, roots.device, self.head_depth))
             for b, trie in enumerate(tries):
@@ -142,11 +147,12 @@ class HybridDrafter:
             return self.min_score
         return CPU_MIN_SCORE if torch.device(device).type == "cpu" else 0.0
 
-    def _head_pays(self, tries: list[CandidateTrie]) -> bool:
+    def _head_pays(self, tries: list[CandidateTrie], slots: list[int]) -> bool:
         """The gate's call for this step, in the regime of retrieval's mean expected length."""
         if self.gate is None:
             return True
         expected = sum(expected_length(t) for t in tries) / max(len(tries), 1)
+        self._timed = set(slots)
         return self.gate.choose(regime_of(expected))
 
     # -- merging -----------------------------------------------------------------------------

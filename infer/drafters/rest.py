@@ -12,7 +12,7 @@ method spec) or ``datastore=DIR`` names one built by ``specdec-data datastore``.
 """
 from __future__ import annotations
 
-from collections import Counter
+import numpy as np
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.datastore import SEP, Datastore, DatastoreError, default_datastore
@@ -49,20 +49,27 @@ class RESTDrafter(HistoryTrieDrafter):
         trie = CandidateTrie(root)
         if len(cont) == 0:
             return trie
-        paths = []
-        for row in cont.tolist():  # cut each continuation at its document's end
-            path = tuple(row[:row.index(SEP)] if SEP in row else row)
-            if path:
-                paths.append(path)
-        counts = Counter(p[:d] for p in paths for d in range(1, len(p) + 1))  # prefix -> frequency
-        total = len(cont)
-        # At every branching, the more frequent child first, so the per-node child limit
-        # (topk) keeps the frequent children.
-        ranked = sorted(set(paths), key=lambda p: ([-counts[p[:d]] for d in range(1, len(p) + 1)], p))
-        for path in ranked:
-            trie.add(path, [counts[path[:d + 1]] / total for d in range(len(path))], source=source,
-                     max_depth=budget.max_depth, max_children=budget.topk)
+        for path, scores in ranked_paths(cont):
+            trie.add(path, scores, source=source, max_depth=budget.max_depth, max_children=budget.topk)
         return trie
+
+
+def ranked_paths(cont: np.ndarray) -> list[tuple[list[int], list[float]]]:
+    """Distinct continuations (rows of cont [R, D], SEP-padded) with each prefix's frequency,
+    most frequent first at every branching (so a per-node child limit keeps the frequent
+    children). Vectorised: at ~256 continuations a step, counting in Python cost milliseconds."""
+    R, D = cont.shape
+    valid = cont != SEP                                              # [R, D] (SEP only at the end)
+    freq = np.zeros((R, D))
+    for d in range(D):  # rows sharing the prefix [:d + 1]
+        _, inverse, counts = np.unique(cont[:, :d + 1], axis=0, return_inverse=True, return_counts=True)
+        freq[:, d] = np.where(valid[:, d], counts[inverse.reshape(-1)] / R, 0.0)
+    rows, first = np.unique(cont, axis=0, return_index=True)
+    freq = freq[first]
+    # lexsort: the last key is the primary one -> frequency at depth 1, then 2, ...
+    order = np.lexsort([-freq[:, d] for d in reversed(range(D))])
+    lengths = valid[first].sum(1)
+    return [(rows[i, :lengths[i]].tolist(), freq[i, :lengths[i]].tolist()) for i in order if lengths[i]]
 
 
 def make_drafter(target, datastore=None, **opts) -> RESTDrafter:

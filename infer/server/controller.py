@@ -9,12 +9,12 @@ acceptance estimates (``costmodel.py``). Policies (``--spec-policy``):
       goodput = Σ_r E_r(level_r) / t(B, Σ_r (1 + nodes(level_r)))
   over per-request levels of a small budget grid, with hysteresis (a new plan
   must beat the current one by ``margin`` for ``patience`` steps in a row).
-  Whether to speculate at all is then settled by measurement, not by the model:
+  How much to speculate is then settled by measurement, not by the models:
   a ``ThroughputGate`` per batch-size bucket compares the measured decode
-  tokens/s of the model's speculative plan with plain decoding, and plays the
-  winner (replaying the loser every ``explore``-th step). The models are good at
-  *which* budget; a wrong cost or acceptance estimate cannot make the server
-  slower than plain decoding for long.
+  tokens/s of plain decoding, the models' plan and the full tree for everyone,
+  and plays the winner (replaying the others every ``explore``-th step). A wrong
+  cost or acceptance estimate cannot make the server slower than the best of
+  plain and always-on for long.
 * ``always``: one fixed budget for everyone (classic speculative decoding).
 * ``threshold``: the fixed budget while the batch is smaller than
   ``--spec-disable-batch-size``, plain above (vLLM / LMDeploy style).
@@ -64,6 +64,7 @@ class StepObservation:
     tokens: int  # tokens verified in total (roots + draft nodes)
     seconds: float  # wall time of the whole step
     accepted: dict = field(default_factory=dict)  # request id -> accepted draft tokens
+    verified: dict = field(default_factory=dict)  # request id -> tree nodes verified, root included
     drafted: dict = field(default_factory=dict)  # request id -> draft depth of the budget used
     prefill_tokens: int = 0  # prompt tokens prefilled in the same step (they cost time too)
     decode_seconds: float = 0.0  # the decode part of ``seconds`` (0: unknown, use ``seconds``)
@@ -161,23 +162,28 @@ class ThompsonPolicy(Policy):
 
 
 class GoodputPolicy(Policy):
-    """argmax of predicted goodput over per-request levels, with hysteresis; speculate or not
-    per batch-size bucket as a ``ThroughputGate`` measures (``gate=False``: the model alone,
-    with one speculative step every ``explore_every`` plain ones to refresh its estimates)."""
+    """argmax of predicted goodput over per-request levels, with hysteresis; then, per batch-size
+    bucket, a ``ThroughputGate`` plays whichever measured fastest in decode tokens/s: plain
+    decoding, the models' plan, or the full tree for everyone (``gate=False``: the models alone,
+    with one speculative step every ``explore_every`` plain ones to refresh their estimates)."""
 
     name = "goodput"
+    ARMS = ("plain", "model", "full")  # cheapest first
 
     def __init__(self, margin: float = 0.05, patience: int = 3, explore_every: int = 64, gate: bool = True,
                  gate_explore: int = 32):
         self.margin, self.patience = margin, patience
         self.explore_every = explore_every  # a plain-only plan never learns what speculation costs
-        # Explore in runs of 3 (the first step after a switch is not sampled), every 32 steps of
-        # a batch-size bucket, every 128 once the other arm is clearly behind: ~2-9% of steps.
-        self.gate = ThroughputGate(decay=0.95, min_samples=4, explore=gate_explore, run=3) if gate else None
+        # Explore in runs of 3 (the first step after a switch is not sampled): every 8 steps of a
+        # batch-size bucket until each arm has 4 samples (a 64-token request is ~50 steps), then
+        # every 32, the arms behind in turn, a clearly slower one 4x rarer: ~3-9% of steps.
+        # The models' call stands unless another arm measures >10% faster (samples are noisy).
+        self.gate = ThroughputGate(decay=0.95, min_samples=4, explore=gate_explore, run=3, arms=self.ARMS,
+                                   warmup_explore=max(gate_explore // 4, 4), margin=0.1) if gate else None
         self.current: dict = {}
         self._streak = 0
         self._plain_steps = 0
-        self._played: tuple[int, bool] | None = None
+        self._played: tuple | None = None
 
     def choose(self, ctl, rids):
         if not rids:
@@ -189,12 +195,26 @@ class GoodputPolicy(Policy):
         if self.gate is None:
             return self._explore_without_gate(plan, rids)
         model_speculates = any(plan.values())
-        if not model_speculates:  # what to play if the gate says speculate: the best uniform plan
+        if not model_speculates:  # the "model" arm must speculate: the best uniform plan
             plan = dict.fromkeys(rids, _best_uniform_level(ctl, exp))
         bucket = ThompsonPolicy.bucket(len(rids))
-        speculate = self.gate.choose(bucket, default=model_speculates)
-        self._played = (bucket, speculate)
-        return plan if speculate else {r: 0 for r in rids}
+        arm = self.gate.choose(bucket, default="model" if model_speculates else "plain",
+                               allowed=self._arms(bucket))
+        self._played = (bucket, arm)
+        if arm == "full":
+            return dict.fromkeys(rids, len(ctl.nodes) - 1)
+        return plan if arm == "model" else dict.fromkeys(rids, 0)
+
+    def _arms(self, bucket: int) -> tuple:
+        """The full tree is left out of a bucket once a smaller batch measured it clearly slower
+        than the best arm there: speculation only gets dearer as batches grow (and trying a
+        full tree on 32 sequences costs several plain steps)."""
+        g = self.gate
+        for smaller in range(bucket):
+            rates = [g.rate(smaller, a) for a in self.ARMS]
+            if None not in rates and rates[-1] < g.clear * max(rates):
+                return self.ARMS[:-1]
+        return self.ARMS
 
     def observe(self, ctl, obs):
         if self._played is not None and obs.accepted:
@@ -203,7 +223,7 @@ class GoodputPolicy(Policy):
         self._played = None
 
     def _model_plan(self, ctl, rids, exp: np.ndarray) -> dict:
-        best = best_plan(exp, ctl.nodes, lambda n, g: ctl.step_time(len(rids), n, g))
+        best = best_plan(exp, ctl.used, lambda n, g: ctl.step_time(len(rids), n, g))
         cand = dict(zip(rids, best))
         # Requests that just joined take the new plan's level at once: nothing to flap from.
         cur = {r: self.current.get(r, cand[r]) for r in rids}
@@ -229,7 +249,7 @@ class GoodputPolicy(Policy):
 def _best_uniform_level(ctl, exp: np.ndarray) -> int:
     """The non-plain level whose uniform plan the models rate best (exp [R, L] expected tokens)."""
     R = exp.shape[0]
-    rated = [(float(exp[:, l].sum()) / ctl.step_time(R, R * (1 + ctl.nodes[l]), 1), l)
+    rated = [(float(exp[:, l].sum()) / ctl.step_time(R, R * (1 + ctl.used[l]), 1), l)
              for l in range(len(ctl.nodes)) if ctl.nodes[l] > 0]
     return max(rated)[1]
 
@@ -291,6 +311,10 @@ class SpeculationController:
         self.policy, self.grid = policy, grid
         self.nodes = [b.max_nodes for b in grid]
         self.depths = [b.max_depth for b in grid]
+        # Draft nodes a request really gets verified per level: a drafter that prunes (retrieval
+        # with no match, the hybrid's min_score, a short EAGLE tree) fills a 12-node budget with
+        # ~3 on this CPU, and the verification cost follows the nodes verified, not the budget.
+        self.used = [float(n) for n in self.nodes]
         self.cost = cost or CostModel()
         self.acceptance = AcceptanceTracker(max(max(self.depths), 1), len(grid), prior=acceptance_prior)
         self.confidence = ConfidenceBlend()
@@ -303,12 +327,12 @@ class SpeculationController:
             exp[i] = self.confidence.adjust(rid, exp[i])
         return exp
 
-    def step_time(self, batch: int, tokens: int, groups: int) -> float:
+    def step_time(self, batch: int, tokens: float, groups: int) -> float:
         return self.cost.predict(batch, tokens, 0, groups)
 
     def predicted_goodput(self, rids, levels, exp=None) -> float:
         exp = self.expected_tokens(rids) if exp is None else exp
-        tokens = sum(1 + self.nodes[l] for l in levels)
+        tokens = sum(1 + self.used[l] for l in levels)
         groups = len({l for l in levels if self.nodes[l] > 0})
         gain = sum(exp[i, l] for i, l in enumerate(levels))
         return gain / self.step_time(len(rids), tokens, groups)
@@ -327,10 +351,17 @@ class SpeculationController:
             level = self.last_plan.get(rid, 0)
             if self.nodes[level] == 0:
                 continue  # a plain step says nothing about acceptance
+            if rid in obs.verified:
+                self._learn_used(level, obs.verified[rid] - 1)
             hist = self.acceptance.expected_tokens([rid], [self.depths[level]])[0, 0] - 1.0
             self.confidence.observe(rid, level, acc, hist, obs.confidence.get(rid))
             self.acceptance.observe(rid, level, obs.drafted.get(rid, self.depths[level]), acc)
         self.policy.observe(self, obs)
+
+    def _learn_used(self, level: int, nodes: int, decay: float = 0.95) -> None:
+        self.used[level] = decay * self.used[level] + (1 - decay) * min(nodes, self.nodes[level])
+        for l in range(1, len(self.used)):  # a bigger budget never uses fewer nodes
+            self.used[l] = max(self.used[l], self.used[l - 1] + 1e-3)
 
     def release(self, rid) -> None:
         self.acceptance.forget(rid)

@@ -304,6 +304,7 @@ def observation(stats, wall: float) -> StepObservation:
         tokens=int(stats.tokens_verified),
         seconds=float(stats.seconds or wall),
         accepted=dict(stats.accepted),
+        verified=dict(getattr(stats, "verified", None) or {}),
         drafted={r: b.max_depth for r, b in budgets.items()},
         prefill_tokens=int(getattr(stats, "prefill_tokens", 0)),
         decode_seconds=float(getattr(stats, "decode_seconds", 0.0)),

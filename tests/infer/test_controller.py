@@ -90,9 +90,11 @@ def _controller_with(truth, alpha, policy="goodput", **kw):
     return ctl, rids
 
 
-def plan_after(ctl, rids, steps=5):
+def plan_after(ctl, rids, steps=4):
     plan = {}
-    for _ in range(steps):  # several steps so hysteresis lets the decision through
+    # Several steps so hysteresis (patience 3) lets the decision through; unmeasured, the gate
+    # plays the models' call until its first exploration run (the 5th decision).
+    for _ in range(steps):
         plan = ctl.plan(rids)
     return plan
 
@@ -182,31 +184,52 @@ def test_goodput_explores_when_stuck_plain():
 
 
 @pytest.mark.parametrize("model_says_speculate", [True, False])
-def test_goodput_gate_trusts_measured_decode_speed_over_the_models(model_says_speculate):
-    """Whatever the cost model predicts, the measured decode tokens/s decide whether the batch
-    speculates: here speculation really is 1.5x faster when the model thinks it loses, and
-    really 2x slower when the model thinks it wins."""
+def test_goodput_gate_plays_what_measures_fastest(model_says_speculate):
+    """Whatever the models predict, the measured decode tokens/s decide between plain decoding,
+    the models' plan and the full tree for everyone: here plain is 2x faster than any speculation
+    when the models think speculation wins, and the full tree 1.5x faster than plain (a smaller
+    tree in between) when they think it loses."""
     cheap = CostPrior(a=0.030, b=0.0, c=0.0001)   # verification nearly free: the model speculates
     dear = CostPrior(a=0.001, b=0.0, c=0.010)     # every token costs a step: the model stays plain
-    ctl = make_controller("goodput", grid=budget_grid((0, 4)), cost=CostModel(prior=cheap if model_says_speculate else dear))
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)),
+                          cost=CostModel(prior=cheap if model_says_speculate else dear))
     rids = ["a", "b"]
     for r in rids:
         for _ in range(20):
-            ctl.acceptance.observe(r, 1, drafted=4, accepted=2)
-    speed = {True: 50.0 if model_says_speculate else 150.0, False: 100.0}  # measured tokens/s
+            ctl.acceptance.observe(r, 1, drafted=2, accepted=1)
+    speed = {0: 100.0, 2: 50.0, 8: 50.0} if model_says_speculate else {0: 100.0, 2: 110.0, 8: 150.0}
     plans = []
-    for _ in range(200):
-        plan = ctl.plan(rids)
-        spec = any(b.max_nodes for b in plan.values())
-        plans.append(spec)
-        tokens = 2 * (3 if spec else 1)
-        ctl.observe(StepObservation(batch_size=2, tokens=10 if spec else 2, seconds=tokens / speed[spec] + 0.5,
-                                    decode_seconds=tokens / speed[spec],
-                                    accepted={r: 2 if spec else 0 for r in rids}))
-    assert plans[0] == model_says_speculate                     # the model's call until measured
-    faster = speed[True] > speed[False]
-    late = plans[-96:]
-    assert late.count(faster) >= 0.9 * len(late) and late.count(not faster) >= 2  # still explores
+    for _ in range(400):
+        nodes = max(b.max_nodes for b in ctl.plan(rids).values())
+        plans.append(nodes)
+        tokens = 2 * (1 + min(nodes, 2))  # measured tokens/s
+        ctl.observe(StepObservation(batch_size=2, tokens=2 * (1 + nodes), seconds=tokens / speed[nodes] + 0.5,
+                                    decode_seconds=tokens / speed[nodes],
+                                    accepted={r: min(nodes, 2) for r in rids}))
+    assert (plans[0] > 0) == model_says_speculate                # the model's call until measured
+    best = max(speed, key=speed.get)
+    late = plans[-256:]
+    assert late.count(best) >= 0.9 * len(late) and len(late) - late.count(best) >= 2  # still explores
+
+
+def test_goodput_leaves_the_full_tree_out_of_bigger_batches_once_it_lost():
+    """A full tree measured clearly slower at batch 2 is not tried again at batch 8."""
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)))
+    speed = {0: 100.0, 2: 90.0, 8: 40.0}
+
+    def run(rids, steps):
+        played = []
+        for _ in range(steps):
+            nodes = max(b.max_nodes for b in ctl.plan(rids).values())
+            played.append(nodes)
+            tokens = len(rids) * (1 + min(nodes, 1))
+            ctl.observe(StepObservation(batch_size=len(rids), tokens=len(rids) * (1 + nodes), seconds=1.0,
+                                        decode_seconds=tokens / speed[nodes],
+                                        accepted={r: min(nodes, 1) for r in rids}))
+        return played
+
+    assert 8 in run(["a", "b"], 100)           # tried (and measured slower) at batch 2
+    assert 8 not in run([f"r{i}" for i in range(8)], 200)
 
 
 def test_thompson_converges_to_the_better_arm():

@@ -280,7 +280,7 @@ def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
                                    for i, c in enumerate(["writing", "math", "qa"])))
     out = tmp_path / "bench"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    assert serve_load.main(["--policies", "goodput", "--concurrency", "1,2", "--num-prompts", "3",
+    assert serve_load.main(["--policies", "goodput", "--concurrency", "1,2", "--num-prompts", "3", "--warmup", "2",
                             "--max-tokens", "8", "--questions", str(questions), "--out", str(out), "--",
                             "--target", "tiny-llama", "--method", "pld", "--max-len", "256",
                             "--log-level", "warning"]) == 0
@@ -288,6 +288,7 @@ def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
     assert report["servers"]["goodput"]["exit_code"] == 0
     levels = report["runs"]["goodput"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["failed"] == 0 for lv in levels)
+    assert report["warmup"] == 2 and all(lv["requests"] == 3 for lv in levels)  # warm-up not counted
     assert all(lv["output_tokens"] > 0 and lv["tau"] >= 1.0 and lv["ttft_s"]["p50"] > 0 for lv in levels)
     assert (out / "serve_bench.png").stat().st_size > 0
     assert "| goodput | 2 |" in (out / "serve_bench.md").read_text()
