@@ -103,7 +103,7 @@ class TargetRunner:
         access = StepAccess(self.cache, list(slots), starts, n, valid)
         positions = access.write_pos                                        # [B, N]
         logits, hidden, aux = self.backend.forward(tokens, positions, access, mask, self.aux_layers,
-                                                   logits_rows=lens_t - 1)
+                                                   logits_rows=lens_t - 1, causal=True)
         feats = [self._features(hidden[b, :lens[b]], None if aux is None else aux[b, :lens[b]])
                  for b in range(len(slots))]
         return logits, feats

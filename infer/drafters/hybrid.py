@@ -18,28 +18,34 @@ rate over all steps and slots). So a copy-heavy prompt
 leaves the budget to the head. All scores are non-increasing along paths, so the kept nodes form
 a tree.
 
-Cost: retrieval is nearly free, the head is not, so the head runs only on steps where it pays,
-judged by measured tokens per second (``specdec.infer.gate.ThroughputGate``; off with
-``adaptive=False``), and it drafts under the heads' default budget while retrieval may fill the
-deeper lookup budget (PLD's on CPU: long copies). The merged tree is deterministic
+Cost: retrieval is nearly free, the head is not (~10 ms a step on the 2-core CPU next to a
+~30 ms verification), so the head drafts only where it pays (``HeadGate``; off with
+``adaptive=False``): per regime of how much retrieval already offers, paired samples from the
+steps the head drafted compare tokens/s with the head against what retrieval alone would have
+given on the same step. The head drafts under the heads' default budget while retrieval may
+fill the deeper lookup budget (PLD's on CPU: long copies). The merged tree is deterministic
 (``draft_probs`` None): even if the head sampled its children, treating the final candidate set
 as fixed is lossless under the point-mass rule.
 """
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget, default_budget
 
-from specdec.infer.gate import ThroughputGate
-
 from .pld import CPU_LOOKUP_BUDGET, NO_FEATURES, CandidateTrie, PLDDrafter, pack_trees, token_list
 from .rest import RESTDrafter
 from .rest import make_drafter as make_rest
 
 CPU_MIN_SCORE = 0.05
+# What verifying one more tree node costs on the 2-core CPU (24 -> 29 ms from 1 to 12 nodes at
+# a 100-token context, 26 -> 37 ms at 1,000): charged to the head for the nodes only it proposed.
+CPU_NODE_SECONDS = 0.0005
 # The head gate's regimes, by retrieval's expected accepted length (``expected_length``):
 # nothing useful / a short or doubtful match / a trusted copy.
 REGIME_EDGES = (0.5, 1.5)
@@ -65,6 +71,53 @@ class AcceptanceEstimate:
         self.hits[source] = self.hits.get(source, 0.0) + float(hit)
 
 
+class HeadGate:
+    """Does the head pay in a regime? Decided from *paired* samples, one per step the head drafts:
+    the tokens the step committed against the tokens retrieval's own nodes would have committed
+    (the accepted path's prefix that retrieval proposed too), and the step's time against that
+    time less the head's drafting and the verification of the nodes only the head proposed.
+    Both halves of a pair share the prompt and the context, so a few dozen pairs decide where
+    unpaired rates (accepted lengths vary from 1 to 7 from step to step) need hundreds.
+
+    While the head loses in a regime it still drafts ``run`` steps every ``explore`` decisions
+    there; the first step of such a run is not sampled (the head catches up on the tokens it
+    skipped, which is not its steady cost).
+    """
+
+    def __init__(self, decay: float = 0.95, min_samples: int = 4, explore: int = 24, run: int = 2,
+                 node_seconds: float = CPU_NODE_SECONDS, clock=time.perf_counter):
+        self.decay, self.min_samples, self.explore, self.run = decay, min_samples, explore, run
+        self.node_seconds, self.clock = node_seconds, clock
+        self.sums: dict[int, np.ndarray] = {}  # regime -> decayed [tokens on, tokens off, s on, s off, n]
+        self.decisions: dict[int, int] = {}
+        self._ran_last = False  # did the head draft on the previous step (steady state)?
+
+    def pays(self, regime: int) -> bool:
+        n = self.decisions[regime] = self.decisions.get(regime, 0) + 1
+        on, off = self.rates(regime)
+        if on is None or on >= off:
+            return True
+        return n % self.explore >= self.explore - self.run
+
+    def rates(self, regime: int) -> tuple[float | None, float | None]:
+        """(tokens/s with the head, tokens/s without) in a regime; None before min_samples."""
+        s = self.sums.get(regime)
+        if s is None or s[4] < self.min_samples - 1e-9:
+            return None, None
+        return s[0] / s[2], s[1] / s[3]
+
+    def record(self, regime: int, ran: bool, tokens_on: int, tokens_off: int, seconds: float,
+               head_seconds: float, head_only_nodes: int) -> None:
+        """One step's pair (ran: the head drafted this step; otherwise nothing is learnt)."""
+        steady, self._ran_last = self._ran_last, ran
+        if not ran or not steady or seconds <= 0:
+            return
+        off_seconds = max(seconds - head_seconds - head_only_nodes * self.node_seconds, 1e-6)
+        s = self.sums.setdefault(regime, np.zeros(5))
+        s *= self.decay
+        s += (tokens_on, tokens_off, seconds, off_seconds, 1.0)
+
+
 class HybridDrafter:
     """Merge a head drafter (optional) with PLD and REST drafters; see the module docstring."""
 
@@ -80,10 +133,10 @@ class HybridDrafter:
         self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES
         self.estimate = AcceptanceEstimate()
         self.min_score, self.head_depth = min_score, head_depth
-        self.gate = ThroughputGate() if head_drafter is not None and adaptive else None
+        self.gate = HeadGate() if head_drafter is not None and adaptive else None
         self.head_steps = self.steps = 0  # how often the head drafted (reported by tests, bench notes)
         self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
-        self._timed: set[int] = set()  # slots of the proposal the gate is timing, until they commit
+        self._step: dict | None = None  # the proposal being timed for the gate, until its slots commit
 
     def _all(self):
         return ([self.head] if self.head is not None else []) + list(self.retrieval.values())
@@ -102,20 +155,24 @@ class HybridDrafter:
         for d in self._all():
             d.prefill(slot, token_ids, features)
         self.last_trie.pop(slot, None)
-        if self.gate is not None:
-            self.gate.interrupt()
-            self._timed.clear()
+        self._step = None
 
     def commit(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
         committed = token_list(token_ids)
-        self.learn(slot, committed)
+        trie = self.last_trie.get(slot)
+        by_retrieval = self.learn(slot, committed)
         for d in self._all():
             d.commit(slot, token_ids, features)
-        if slot in self._timed:  # the gate times propose -> verify -> commit of drafted slots only:
-            self._timed.discard(slot)  # plain steps between two proposals are no arm's cost
-            self.gate.add_tokens(len(committed))
-            if not self._timed:
-                self.gate.close()
+        step = self._step
+        if step is not None and slot in step["slots"]:  # the gate's pair: propose -> verify -> commit
+            step["slots"].discard(slot)
+            step["on"] += len(committed)
+            step["off"] += 1 + by_retrieval
+            step["head_only"] += _head_only_nodes(trie)
+            if not step["slots"]:
+                self._step = None
+                self.gate.record(step["regime"], step["ran"], step["on"], step["off"],
+                                 self.gate.clock() - step["start"], step["head_seconds"], step["head_only"])
 
     def release(self, slot: int) -> None:
         for d in self._all():
@@ -134,9 +191,13 @@ class HybridDrafter:
         self.steps += 1
         if self.head is not None and self._head_pays(tries, slot_list):
             self.head_steps += 1
+            clock = self.gate.clock if self.gate is not None else time.perf_counter
+            start = clock()
             head_tree = self.head.propose(slots, roots, _head_budget(budget, roots.device, self.head_depth))
             for b, trie in enumerate(tries):
                 self._add_head(trie, head_tree, b)
+            if self._step is not None:
+                self._step.update(ran=True, head_seconds=clock() - start)
         return pack_trees(tries, budget, roots.device, self._min_score(roots.device))
 
     def _min_score(self, device) -> float:
@@ -151,9 +212,10 @@ class HybridDrafter:
         """The gate's call for this step, in the regime of retrieval's mean expected length."""
         if self.gate is None:
             return True
-        expected = sum(expected_length(t) for t in tries) / max(len(tries), 1)
-        self._timed = set(slots)
-        return self.gate.choose(regime_of(expected))
+        regime = regime_of(sum(expected_length(t) for t in tries) / max(len(tries), 1))
+        self._step = {"regime": regime, "slots": set(slots), "start": self.gate.clock(), "ran": False,
+                      "head_seconds": 0.0, "on": 0, "off": 0, "head_only": 0}
+        return self.gate.pays(regime)
 
     # -- merging -----------------------------------------------------------------------------
     def _add_head(self, trie: CandidateTrie, tree: DraftTree, b: int) -> None:
@@ -192,13 +254,15 @@ class HybridDrafter:
                 score = alpha ** sub.depth[k] * min(sub.scores[k], 1.0)
                 stack.append((k, path + [sub.tokens[k]], scores + [score]))
 
-    def learn(self, slot: int, committed: list[int]) -> None:
-        """Update each source's acceptance rate from the committed path of the last tree."""
+    def learn(self, slot: int, committed: list[int]) -> int:
+        """Update each source's acceptance rate from the committed path of the last tree.
+        -> how many of the accepted drafts retrieval had proposed too, from the root on (what
+        the step would have accepted without the head)."""
         trie = self.last_trie.pop(slot, None)
         if trie is None or not committed or committed[0] != trie.tokens[0]:
-            return
+            return 0
         proposed = trie.kept if trie.kept is not None else set(range(len(trie.tokens)))
-        node = 0
+        node, by_retrieval, retrieval_path = 0, 0, True
         for tok in committed[1:] + [None]:  # None: the path ended; its last node's children failed
             kids = [i for i in proposed if i and trie.parents[i] == node]
             proposers = set().union(*(trie.sources[i] for i in kids)) if kids else set()
@@ -206,8 +270,19 @@ class HybridDrafter:
             for src in proposers:
                 self.estimate.update(src, nxt is not None and src in trie.sources[nxt])
             if nxt is None:
-                return
+                return by_retrieval
+            retrieval_path = retrieval_path and bool(trie.sources[nxt] - {HEAD})
+            by_retrieval += retrieval_path
             node = nxt
+        return by_retrieval
+
+
+def _head_only_nodes(trie: CandidateTrie | None) -> int:
+    """Verified nodes that only the head proposed."""
+    if trie is None:
+        return 0
+    kept = trie.kept if trie.kept is not None else range(1, len(trie.tokens))
+    return sum(1 for i in kept if i and trie.sources[i] == {HEAD})
 
 
 def regime_of(expected_len: float) -> int:

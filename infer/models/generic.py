@@ -56,7 +56,7 @@ class GenericCausalLM:
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, access, tree_mask: Tensor,
-                aux_layers: tuple[int, ...] = (), logits_rows: Tensor | None = None):
+                aux_layers: tuple[int, ...] = (), logits_rows: Tensor | None = None, causal: bool = False):
         bsz, n = tokens.shape
         prefix = max(access.base_list)
         cache = self._new_cache()

@@ -164,8 +164,12 @@ class LeanCausalLM:
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, access, tree_mask: Tensor,
-                aux_layers: tuple[int, ...] = (), logits_rows: Tensor | None = None):
+                aux_layers: tuple[int, ...] = (), logits_rows: Tensor | None = None, causal: bool = False):
+        """causal: tree_mask is the plain causal chain (a prefill); when, besides, every row starts
+        at position 0 without padding, attention needs no mask and takes SDPA's causal kernel
+        (a 1,000-token prompt: 12 instead of 20 ms per layer on the 2-core CPU)."""
         bsz, n = tokens.shape
+        plain_causal = causal and access.valid is None and max(access.base_list) == 0
         x = F.embedding(tokens, self.embed)                                  # [B, N, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -177,7 +181,9 @@ class LeanCausalLM:
             if i in aux_layers:
                 keep[i] = x
             key = (layer.window, layer.group)
-            if key not in masks:
+            if plain_causal and (layer.window is None or layer.window >= n):
+                masks[key] = None
+            elif key not in masks:
                 mask = tree_attention_mask(access.base_lens, tree_mask, access.kv_len,
                                            positions=positions, window=layer.window)   # [B, 1, N, L]
                 masks[key] = mask.repeat(1, 1, layer.group, 1)                       # [B, 1, g*N, L]
@@ -203,8 +209,13 @@ class LeanCausalLM:
         # GQA by folding each kv head's query group into the query axis: head h = kv*g + j reads
         # kv head h // g (HF's repeat_kv), so [B, h, N, hd] -> [B, kv, g*N, hd]. Same maths as
         # enable_gqa, but ~3x faster for bf16 decoding on CPU (one kernel call per kv head).
-        q = q.transpose(1, 2).reshape(bsz, layer.n_kv, layer.group * n, layer.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
+        if mask is None:  # a causal prefill from position 0 (see forward)
+            q = q.transpose(1, 2)                                            # [B, h, N, hd]
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=layer.scaling,
+                                                 enable_gqa=layer.group > 1)
+        else:
+            q = q.transpose(1, 2).reshape(bsz, layer.n_kv, layer.group * n, layer.head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
         out = out.view(bsz, layer.n_heads, n, layer.head_dim).transpose(1, 2).reshape(bsz, n, -1)
         x = x + layer.o(out)
         gate, up = layer.gate_up(layer.ln2(x)).chunk(2, dim=-1)

@@ -16,6 +16,7 @@ from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
                                      default_datastore)
 from specdec.infer.gate import ThroughputGate
+from specdec.infer.drafters.hybrid import HeadGate, regime_of
 from specdec.infer.drafters.hybrid import HybridDrafter
 from specdec.infer.drafters.lookahead import LookaheadDrafter
 from specdec.infer.drafters.pld import CandidateTrie, PLDDrafter, find_continuations
@@ -274,28 +275,20 @@ class FakeClock:
 
 
 def test_throughput_gate_plays_the_faster_arm_and_keeps_exploring():
-    clock = FakeClock()
-    gate = ThroughputGate(decay=0.9, min_samples=2, explore=6, run=2, clear=0.1, clock=clock)
+    gate = ThroughputGate(decay=0.9, min_samples=2, explore=6, run=2, clear=0.1)
     arms = []
     for _ in range(60):
         arm = gate.choose(regime=0)
         arms.append(arm)
-        clock.now += 3.0 if arm else 1.0   # the head's steps take 3x as long ...
-        gate.add_tokens(2 if arm else 1)    # ... for 2x the tokens: it does not pay
+        # The extra work takes 3x as long for 2x the tokens: it does not pay.
+        gate.record(0, arm, tokens=2 if arm else 1, seconds=3.0 if arm else 1.0)
     # Each arm is sampled min_samples times first; the first step after a switch is not sampled.
     assert arms[:5] == [True, True, False, False, False]
     assert gate.rate(0, False) > gate.rate(0, True)
     tail = arms[12:]
     assert tail.count(False) >= 2 * tail.count(True) and True in tail  # mostly off, explores in runs
     assert any(a and b for a, b in zip(tail, tail[1:]))
-    # A prefill between two decisions voids the step in flight: no sample is recorded.
-    gate.choose(regime=1)          # (closes the last step above)
-    before = dict(gate.samples)
-    gate.add_tokens(5)
-    gate.interrupt()
-    clock.now += 100.0
-    gate.choose(regime=1)
-    assert sum(gate.samples.values()) == sum(before.values())
+    assert gate.rate(1, False) is None  # regimes are measured apart
 
 
 def test_throughput_gate_follows_a_default_until_it_has_measured_both_arms():
@@ -309,29 +302,49 @@ def test_throughput_gate_follows_a_default_until_it_has_measured_both_arms():
     assert gate.samples == {(0, False): 4, (0, True): 2}
 
 
-def test_hybrid_gate_switches_a_slow_head_off():
-    """A head that costs 10x a step and adds nothing gets dropped after its first trials; the
-    retrieval-only tree keeps being proposed."""
+@pytest.mark.parametrize("head_pays", [False, True])
+def test_hybrid_head_gate_learns_from_paired_steps(head_pays):
+    """A head costing 10 time units a step whose drafts are never accepted is switched off after
+    its first paired samples; a head costing 1 whose two drafts are always accepted (retrieval
+    proposes nothing here) stays on: 3 tokens in 3 units beat 1 token in 2."""
     clock = FakeClock()
 
-    class SlowHead(FixedHead):
+    class TimedHead(FixedHead):
         def propose(self, slots, roots, budget):
-            clock.now += 10.0
+            clock.now += 1.0 if head_pays else 10.0
             return super().propose(slots, roots, budget)
 
-    d = HybridDrafter(SlowHead(), PLDDrafter(max_ngram=2), min_score=0.0)
-    d.gate = ThroughputGate(clock=clock)
+    d = HybridDrafter(TimedHead(), min_score=0.0)  # the head as the only source
+    d.gate = HeadGate(clock=clock)
     d.reset(1, 256)
     d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {"hidden": torch.zeros(7, 4)})
     budget = TreeBudget(max_nodes=6, max_depth=4, topk=4)
-    for _ in range(40):
-        tree = d.propose(torch.tensor([0]), torch.tensor([3]), budget)
-        assert tree.valid.sum() > 1
-        clock.now += 1.0
-        d.commit(0, torch.tensor([3]), {"hidden": torch.zeros(1, 4)})
-    assert d.steps == 40 and d.head_steps < 12
+    for _ in range(60):
+        d.propose(torch.tensor([0]), torch.tensor([3]), budget)
+        clock.now += 2.0  # verification
+        committed = [3, 50, 51] if head_pays else [3]
+        d.commit(0, torch.tensor(committed), {"hidden": torch.zeros(len(committed), 4)})
+    on, off = d.gate.rates(regime_of(0.0))
+    assert d.steps == 60 and (on > off) == head_pays
+    if head_pays:
+        assert d.head_steps == 60
+    else:
+        assert d.head_steps < 15  # its first samples, then a short run every 24 steps
     with pytest.raises(ValueError, match="head_depth"):
-        HybridDrafter(SlowHead(), PLDDrafter(), head_depth=0)
+        HybridDrafter(TimedHead(), PLDDrafter(), head_depth=0)
+
+
+def test_head_gate_pairs_tokens_and_time_of_one_step():
+    gate = HeadGate(decay=1.0, min_samples=2, explore=10, run=2, node_seconds=0.5)
+    gate.record(0, ran=True, tokens_on=3, tokens_off=1, seconds=4.0, head_seconds=1.0, head_only_nodes=2)
+    assert gate.rates(0) == (None, None)  # the first step after the head was off is not sampled
+    for _ in range(2):
+        gate.record(0, ran=True, tokens_on=3, tokens_off=1, seconds=4.0, head_seconds=1.0, head_only_nodes=2)
+    on, off = gate.rates(0)
+    assert on == pytest.approx(3 / 4.0) and off == pytest.approx(1 / (4.0 - 1.0 - 2 * 0.5))
+    assert gate.pays(0)  # 0.75 vs 0.5 tokens per unit of time
+    gate.record(1, ran=False, tokens_on=1, tokens_off=1, seconds=1.0, head_seconds=0.0, head_only_nodes=0)
+    assert 1 not in gate.sums  # a step without the head teaches nothing
 
 
 def test_trie_select_leaves_out_nodes_below_min_score():
