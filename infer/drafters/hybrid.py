@@ -30,6 +30,7 @@ as fixed is lossless under the point-mass rule.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -118,6 +119,20 @@ class HeadGate:
         s += (tokens_on, tokens_off, seconds, off_seconds, 1.0)
 
 
+@dataclass
+class _TimedStep:
+    """The step the head gate is pairing, from ``propose`` until all its slots commit."""
+
+    regime: int
+    slots: set[int]
+    start: float
+    ran: bool = False  # the head drafted
+    head_seconds: float = 0.0
+    tokens_on: int = 0  # committed
+    tokens_off: int = 0  # what retrieval's own nodes would have committed
+    head_only: int = 0  # verified nodes only the head proposed
+
+
 class HybridDrafter:
     """Merge a head drafter (optional) with PLD and REST drafters; see the module docstring."""
 
@@ -136,7 +151,7 @@ class HybridDrafter:
         self.gate = HeadGate() if head_drafter is not None and adaptive else None
         self.head_steps = self.steps = 0  # how often the head drafted (reported by tests, bench notes)
         self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
-        self._step: dict | None = None  # the proposal being timed for the gate, until its slots commit
+        self._step: _TimedStep | None = None
 
     def _all(self):
         return ([self.head] if self.head is not None else []) + list(self.retrieval.values())
@@ -164,15 +179,15 @@ class HybridDrafter:
         for d in self._all():
             d.commit(slot, token_ids, features)
         step = self._step
-        if step is not None and slot in step["slots"]:  # the gate's pair: propose -> verify -> commit
-            step["slots"].discard(slot)
-            step["on"] += len(committed)
-            step["off"] += 1 + by_retrieval
-            step["head_only"] += _head_only_nodes(trie)
-            if not step["slots"]:
+        if step is not None and slot in step.slots:  # the gate's pair: propose -> verify -> commit
+            step.slots.discard(slot)
+            step.tokens_on += len(committed)
+            step.tokens_off += 1 + by_retrieval
+            step.head_only += _head_only_nodes(trie)
+            if not step.slots:
                 self._step = None
-                self.gate.record(step["regime"], step["ran"], step["on"], step["off"],
-                                 self.gate.clock() - step["start"], step["head_seconds"], step["head_only"])
+                self.gate.record(step.regime, step.ran, step.tokens_on, step.tokens_off,
+                                 self.gate.clock() - step.start, step.head_seconds, step.head_only)
 
     def release(self, slot: int) -> None:
         for d in self._all():
@@ -184,7 +199,9 @@ class HybridDrafter:
         tries = []
         for slot, root in zip(slot_list, root_list):
             trie = CandidateTrie(root)
-            for name, drafter in self.retrieval.items():
+            for name, drafter in self.retrieval.items():  # PLD first
+                if name == "rest" and self.pld is not None and expected_length(trie) >= REGIME_EDGES[-1]:
+                    continue  # a trusted copy from the prompt: the datastore would add nodes, not tokens
                 self._add_retrieval(trie, drafter.trie(slot, root, budget, source=name), name)
             self.last_trie[slot] = trie
             tries.append(trie)
@@ -197,7 +214,7 @@ class HybridDrafter:
             for b, trie in enumerate(tries):
                 self._add_head(trie, head_tree, b)
             if self._step is not None:
-                self._step.update(ran=True, head_seconds=clock() - start)
+                self._step.ran, self._step.head_seconds = True, clock() - start
         return pack_trees(tries, budget, roots.device, self._min_score(roots.device))
 
     def _min_score(self, device) -> float:
@@ -213,8 +230,7 @@ class HybridDrafter:
         if self.gate is None:
             return True
         regime = regime_of(sum(expected_length(t) for t in tries) / max(len(tries), 1))
-        self._step = {"regime": regime, "slots": set(slots), "start": self.gate.clock(), "ran": False,
-                      "head_seconds": 0.0, "on": 0, "off": 0, "head_only": 0}
+        self._step = _TimedStep(regime, set(slots), self.gate.clock())
         return self.gate.pays(regime)
 
     # -- merging -----------------------------------------------------------------------------
