@@ -177,9 +177,8 @@ class GoodputPolicy(Policy):
         # Explore in runs of 3 (the first step after a switch is not sampled): every 8 steps of a
         # batch-size bucket until each arm has 4 samples (a 64-token request is ~50 steps), then
         # every 32, the arms behind in turn, a clearly slower one 4x rarer: ~3-9% of steps.
-        # The models' call stands unless another arm measures >10% faster (samples are noisy).
         self.gate = ThroughputGate(decay=0.95, min_samples=4, explore=gate_explore, run=3, arms=self.ARMS,
-                                   warmup_explore=max(gate_explore // 4, 4), margin=0.1) if gate else None
+                                   warmup_explore=max(gate_explore // 4, 4)) if gate else None
         self.current: dict = {}
         self._streak = 0
         self._plain_steps = 0
