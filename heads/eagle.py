@@ -303,9 +303,8 @@ class EagleDrafter:
         feats = self._features(features)                                 # [n, H]
         ids = token_ids.to(self.device).long()
         self.last[slot] = feats[-1]
-        if ids.numel() > 1:
+        if ids.numel() > 1:  # run through the head at the first propose: a hybrid may never ask
             self.pending[slot] = (feats[:-1], ids[1:])
-            self._run_pending([slot])
 
     @torch.no_grad()
     def commit(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:

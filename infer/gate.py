@@ -20,22 +20,18 @@ class ThroughputGate:
     min_samples: samples of an arm before its rate is trusted; explore: every explore-th decision
     of a regime starts ``run`` decisions of an arm that is behind (the others in turn; an arm
     clearly, < ``clear`` x, behind only every 4th time); warmup_explore: the same period while
-    some arm still lacks samples (default ``explore``); margin: a ``default`` arm (e.g. what a
-    model predicts) keeps being played unless another measures more than (1 + margin) x faster,
-    so noisy samples (accepted tokens vary a lot from step to step) do not overrule a sound
-    prediction while a gross error still is. The first step after a switch is not
+    some arm still lacks samples (default ``explore``). The first step after a switch is not
     sampled: it pays the switch (a drafter catching up on the tokens it skipped), not the
     arm's steady rate.
     """
 
     def __init__(self, decay: float = 0.9, min_samples: int = 3, explore: int = 16, run: int = 2,
-                 clear: float = 0.8, arms: tuple = (False, True), warmup_explore: int | None = None,
-                 margin: float = 0.0):
+                 clear: float = 0.8, arms: tuple = (False, True), warmup_explore: int | None = None):
         if len(arms) < 2 or len(set(arms)) != len(arms):
             raise ValueError(f"a gate needs at least two distinct arms, got {arms!r}")
         self.decay, self.min_samples = decay, min_samples
         self.explore, self.run, self.clear, self.arms = explore, run, clear, tuple(arms)
-        self.warmup_explore, self.margin = warmup_explore or explore, margin
+        self.warmup_explore = warmup_explore or explore
         self.tokens: dict[tuple, float] = {}
         self.seconds: dict[tuple, float] = {}
         self.samples: dict[tuple, int] = {}
@@ -63,8 +59,6 @@ class ThroughputGate:
         unknown = [a for a in arms if rates[a] is None]
         if not unknown:
             arm = max(reversed(arms), key=lambda a: rates[a])  # ties: the arm doing more work
-            if default in rates and rates[default] * (1.0 + self.margin) >= rates[arm]:
-                arm = default
             arm = self._explored(n, arm, arms, rates) or arm
         elif default is not None and default in arms:
             arm = self._explored(n, default, arms, rates, unknown) or default
