@@ -359,8 +359,8 @@ class SpeculationController:
 
     def _learn_used(self, level: int, nodes: int, decay: float = 0.95) -> None:
         self.used[level] = decay * self.used[level] + (1 - decay) * min(nodes, self.nodes[level])
-        for l in range(1, len(self.used)):  # a bigger budget never uses fewer nodes
-            self.used[l] = max(self.used[l], self.used[l - 1] + 1e-3)
+        for l in range(len(self.used) - 2, 0, -1):  # a smaller budget never uses more nodes
+            self.used[l] = min(self.used[l], self.used[l + 1])
 
     def release(self, rid) -> None:
         self.acceptance.forget(rid)

@@ -232,6 +232,20 @@ def test_goodput_leaves_the_full_tree_out_of_bigger_batches_once_it_lost():
     assert 8 not in run([f"r{i}" for i in range(8)], 200)
 
 
+def test_cost_follows_the_nodes_a_drafter_really_uses():
+    """A drafter that fills a 12-node budget with 3 nodes costs what 3 nodes cost: the controller
+    learns the nodes verified per level and prices plans with them (smaller levels capped too)."""
+    ctl = make_controller("goodput", grid=budget_grid((0, 4, 12)), cost=CostModel(prior=CostPrior(a=0.02, c=0.002)))
+    before = ctl.predicted_goodput(["r"], [2], np.array([[1.0, 1.5, 2.0]]))
+    for _ in range(100):
+        ctl.plan(["r"])
+        ctl.last_plan = {"r": 2}
+        ctl.observe(StepObservation(batch_size=1, tokens=4, seconds=0.026, accepted={"r": 1}, verified={"r": 4}))
+    assert ctl.used[2] == pytest.approx(3.0, abs=0.1) and ctl.used[1] <= ctl.used[2]
+    assert ctl.used[0] == 0.0
+    assert ctl.predicted_goodput(["r"], [2], np.array([[1.0, 1.5, 2.0]])) > 1.2 * before
+
+
 def test_thompson_converges_to_the_better_arm():
     pol = ThompsonPolicy(num_levels=3, seed=0)
     means = [100.0, 130.0, 90.0]  # arm 1 has the best goodput
