@@ -268,20 +268,20 @@ class Datastore:
                 found, lo_m = (m, lo, hi), m + 1
             else:
                 hi_m = m - 1
-        if found is not None:
-            m, lo, hi = found
-            count = hi - lo
-            picks = (np.arange(count) if count <= max_retrieve
-                     else np.linspace(0, count - 1, num=max_retrieve).astype(np.int64))
-            starts = np.asarray(self.suffix_array[lo + picks], dtype=np.int64) + m  # [R]
-            offs = starts[:, None] + np.arange(depth)[None, :]  # [R, depth]
-            inside = offs < len(self.tokens)
-            cont = np.where(inside, np.asarray(self.tokens)[np.minimum(offs, len(self.tokens) - 1)],
-                            SEP).astype(np.int64)
-            # Past the first separator a continuation belongs to the next document.
-            cont[np.cumsum(cont == SEP, axis=1) > 0] = SEP
-            return m, cont
-        return 0, np.zeros((0, depth), dtype=np.int64)
+        if found is None:
+            return 0, np.zeros((0, depth), dtype=np.int64)
+        m, lo, hi = found
+        count = hi - lo
+        picks = (np.arange(count) if count <= max_retrieve
+                 else np.linspace(0, count - 1, num=max_retrieve).astype(np.int64))
+        starts = np.asarray(self.suffix_array[lo + picks], dtype=np.int64) + m  # [R]
+        offs = starts[:, None] + np.arange(depth)[None, :]  # [R, depth]
+        inside = offs < len(self.tokens)
+        cont = np.where(inside, np.asarray(self.tokens)[np.minimum(offs, len(self.tokens) - 1)],
+                        SEP).astype(np.int64)
+        # Past the first separator a continuation belongs to the next document.
+        cont[np.cumsum(cont == SEP, axis=1) > 0] = SEP
+        return m, cont
 
 
 # ---------------------------------------------------------------------------- defaults + CLI

@@ -183,7 +183,7 @@ class HybridDrafter:
             step.slots.discard(slot)
             step.tokens_on += len(committed)
             step.tokens_off += 1 + by_retrieval
-            step.head_only += _head_only_nodes(trie)
+            step.head_only += _head_only_nodes(trie) if step.ran else 0
             if not step.slots:
                 self._step = None
                 self.gate.record(step.regime, step.ran, step.tokens_on, step.tokens_off,
@@ -208,13 +208,13 @@ class HybridDrafter:
         self.steps += 1
         if self.head is not None and self._head_pays(tries, slot_list):
             self.head_steps += 1
-            clock = self.gate.clock if self.gate is not None else time.perf_counter
-            start = clock()
+            step = self._step  # set by _head_pays when the gate is on
+            start = self.gate.clock() if step is not None else 0.0
             head_tree = self.head.propose(slots, roots, _head_budget(budget, roots.device, self.head_depth))
             for b, trie in enumerate(tries):
                 self._add_head(trie, head_tree, b)
-            if self._step is not None:
-                self._step.ran, self._step.head_seconds = True, clock() - start
+            if step is not None:
+                step.ran, step.head_seconds = True, self.gate.clock() - start
         return pack_trees(tries, budget, roots.device, self._min_score(roots.device))
 
     def _min_score(self, device) -> float:
