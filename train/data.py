@@ -32,6 +32,7 @@ BUNDLED = {  # name -> file in train/assets/, licence beside it as LICENSE.<stem
     "gsm8k": "gsm8k_train.jsonl",          # MIT
     "guanaco": "guanaco_1k.jsonl",         # Apache-2.0
     "sharegpt_dummy": "sharegpt_dummy.json",  # Apache-2.0 (FastChat)
+    "tasks": "task_mix.jsonl",             # Apache-2.0 + MIT: built from the two above (scripts/make_task_prompts.py)
 }
 CACHE_VERSION = 1  # bump when tokenisation changes so old caches are not reused
 

@@ -96,7 +96,9 @@ def _slug(path: Path) -> str:
 def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) -> list[Path]:
     """Self-distil the first ``num_prompts`` prompts of each file; every process does its share.
 
-    Returns the JSONL files (one per file and process share). Reruns skip finished prompts.
+    Returns the JSONL files (one per file and process share) holding the replies to exactly
+    those prompts, in prompt order. Replies are cached per prompt, not per ``num_prompts``:
+    a rerun, or a recipe asking for more (or fewer) prompts, reuses every reply written before.
     """
     from specdec.train.data import iter_conversations
     from specdec.train.regenerate import regenerate
@@ -105,33 +107,57 @@ def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) 
     folder = Path(g.dir or Path(recipe.output.dir) / "regenerated")
     folder.mkdir(parents=True, exist_ok=True)
     # the settings that shape a reply name its file, so a shared cache folder is never stale
-    settings = json.dumps([target.identity(), g.num_prompts, g.max_new_tokens, g.temperature,
+    settings = json.dumps([target.identity(), g.max_new_tokens, g.temperature,
                            recipe.optim.seed, d.format], sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:8]
-    outputs = []
+    share = None if g.num_prompts is None else len(range(dist.rank, g.num_prompts, dist.world_size))
     for path in files:
-        stem = f"{_slug(path)}-{key}"
-        prompts = folder / f"{stem}.prompts-{dist.rank}-of-{dist.world_size}.jsonl"
-        replies = folder / f"{stem}.part-{dist.rank}-of-{dist.world_size}.jsonl"
+        stem = folder / f"{_slug(path)}-{key}"
+        prompts = Path(f"{stem}.prompts-{dist.rank}-of-{dist.world_size}.jsonl")
+        replies = Path(f"{stem}.part-{dist.rank}-of-{dist.world_size}.jsonl")
         if not prompts.exists():  # this process's prompts: conversation i with i % world == rank
             tmp = prompts.with_suffix(".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
                 for i, conv in enumerate(iter_conversations([path], d.format)):
-                    if g.num_prompts is not None and i >= g.num_prompts:
-                        break
                     if i % dist.world_size == dist.rank:
                         f.write(json.dumps({"id": conv.id, "messages": conv.messages}, ensure_ascii=False) + "\n")
             tmp.replace(prompts)
-        stats = regenerate(target, [prompts], replies, batch_size=g.batch_size,
+        stats = regenerate(target, [prompts], replies, limit=share, batch_size=g.batch_size,
                            max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                            seed=recipe.optim.seed + dist.rank, fmt="openai", progress=dist.is_main)
+        if share is not None:
+            view = Path(f"{stem}.first{g.num_prompts}.part-{dist.rank}-of-{dist.world_size}.jsonl")
+            _first_replies(prompts, replies, share, view)
         if dist.is_main:
             print(f"regenerated {path.name}: {stats}", file=sys.stderr)
     barrier()
+    outputs = []
     for path in files:
-        stem = f"{_slug(path)}-{key}"
-        outputs += [folder / f"{stem}.part-{r}-of-{dist.world_size}.jsonl" for r in range(dist.world_size)]
+        stem = folder / f"{_slug(path)}-{key}"
+        view = "" if share is None else f".first{g.num_prompts}"
+        outputs += [Path(f"{stem}{view}.part-{r}-of-{dist.world_size}.jsonl") for r in range(dist.world_size)]
     return [p for p in outputs if p.stat().st_size > 0]
+
+
+def _first_replies(prompts: Path, replies: Path, count: int, out: Path) -> None:
+    """Write the replies to the first ``count`` prompts, in prompt order (regenerate writes them
+    in length order, and the cache may hold replies to later prompts too)."""
+    ids = [json.loads(line)["id"] for line in prompts.read_text(encoding="utf-8").splitlines()[:count]]
+    records = {}
+    for line in replies.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            records[record["id"].removeprefix(f"{prompts.name}/")] = line  # "<file>/<prompt id>"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("".join(records[i] + "\n" for i in ids if i in records), encoding="utf-8")
+    tmp.replace(out)
+
+
+def _has_replies(path: Path, fmt: str) -> bool:
+    from specdec.train.data import iter_conversations
+
+    return any(any(m["role"] == "assistant" for m in c.messages)
+               for c in iter_conversations([path], fmt))
 
 
 def prepare_data(recipe: Recipe, target, dist: DistInfo):
@@ -145,8 +171,10 @@ def prepare_data(recipe: Recipe, target, dist: DistInfo):
     sources: list[tuple[Path, str, int | None]] = []
     if d.regenerate.enabled:
         sources += [(p, "openai", None) for p in regenerate_files(recipe, target, files, dist)]
-    if not d.regenerate.enabled or d.regenerate.keep_original:
+    if not d.regenerate.enabled:
         sources += [(p, d.format, d.limit) for p in files]
+    elif d.regenerate.keep_original:  # prompt-only files (bundled:tasks) have no replies to keep
+        sources += [(p, d.format, d.limit) for p in files if _has_replies(p, d.format)]
     parts = []
     for first in (True, False):  # rank 0 tokenises (and caches) first, the others then read it
         if first == dist.is_main:

@@ -82,7 +82,8 @@ def test_forced_format_rejects_other_records(tmp_path):
 def test_bundled_prompts_ship_with_their_licences():
     licences = {"gsm8k": ("LICENSE.gsm8k", "MIT License"),
                 "guanaco": ("LICENSE.guanaco_1k", "Apache License"),
-                "sharegpt_dummy": ("LICENSE.sharegpt_dummy", "Apache License")}
+                "sharegpt_dummy": ("LICENSE.sharegpt_dummy", "Apache License"),
+                "tasks": ("LICENSE.task_mix", "Apache License 2.0")}
     assert set(BUNDLED) == set(licences)
     for name, (licence, kind) in licences.items():
         path = bundled_prompts(name)
@@ -93,6 +94,7 @@ def test_bundled_prompts_ship_with_their_licences():
     assert not any("<<" in m[1]["content"] for m in gsm["messages"][:500])
     assert len(load_conversations(bundled_prompts("guanaco"))) == 1000
     assert len(load_conversations(bundled_prompts("sharegpt_dummy"))) == 500
+    assert "MIT License" in (bundled_prompts("tasks").parent / "LICENSE.task_mix").read_text()
     with pytest.raises(DataError, match="alpaca"):
         bundled_prompts("alpaca")
 
@@ -240,3 +242,25 @@ def test_cli_help_lists_every_subcommand(capsys):
             main([name, "--help"])
         assert exit_.value.code == 0
         assert "--target" in capsys.readouterr().out
+
+
+def test_bundled_task_prompts_are_what_the_script_writes(tmp_path):
+    """train/assets/task_mix.jsonl is reproducible from the bundled texts (no foreign text in
+    it): prompts only, each task family in every run of nine."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_task_prompts.py"
+    spec = importlib.util.spec_from_file_location("make_task_prompts", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "tasks.jsonl"
+    module.main(["--out", str(out)])
+    shipped = bundled_prompts("tasks")
+    assert out.read_bytes() == shipped.read_bytes(), "rerun scripts/make_task_prompts.py"
+    convs = load_conversations(shipped)
+    assert len(convs) == 1000
+    assert all([m["role"] for m in msgs] == ["user"] for msgs in convs["messages"])
+    ids = [json.loads(line)["id"] for line in shipped.read_text(encoding="utf-8").splitlines()[:90]]
+    families = [i.split("-", 2)[2] for i in ids]
+    assert len(set(families)) == 9 and all(families.count(f) == 10 for f in set(families))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specdec.train.data import DataError, load_conversations
 from specdec.train.regenerate import first_turn_prompt, regenerate
@@ -92,3 +93,54 @@ def test_sampled_cli_run(tmp_path, tiny_target_dir, prompts_file, capsys):
     assert main(argv) == 0
     assert "wrote 4 replies" in capsys.readouterr().out
     assert len(read(out)) == 4
+
+
+def test_recipe_keeps_original_replies_only_of_files_that_have_them(tmp_path, tiny_target, prompts_file):
+    """A prompt-only file (like bundled:tasks) is self-distilled; asking to keep the datasets'
+    own replies too must not fail on it, only skip it."""
+    from pathlib import Path
+
+    from specdec.train.config import load_recipe
+    from specdec.train.pipeline import prepare_data
+    from specdec.train.trainer import DistInfo
+
+    only_prompts = tmp_path / "tasks.jsonl"
+    only_prompts.write_text("".join(json.dumps({"id": f"t{i}", "messages": [
+        {"role": "user", "content": f"Summarize: text number {i}."}]}) + "\n" for i in range(5)))
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "medusa.yaml", [
+        f"data.files=[{only_prompts}, {prompts_file}]", "data.eval_fraction=0", "data.limit=null",
+        "data.regenerate.enabled=true", "data.regenerate.keep_original=true",
+        "data.regenerate.num_prompts=4", "data.regenerate.max_new_tokens=4",
+        "data.regenerate.batch_size=2", f"data.regenerate.dir={tmp_path / 'regen'}"])
+    train, _ = prepare_data(recipe, tiny_target, DistInfo(0, 0, 1, torch.device("cpu")))
+    # 4 + 4 self-distilled replies, and the 7 original replies of the file that has them
+    # (its 8th record is a bare GSM8K question: no reply to keep)
+    assert len(train) == 4 + 4 + 7
+
+
+def test_recipe_reuses_replies_when_num_prompts_changes(tmp_path, tiny_target, prompts_file, capsys):
+    """Replies are cached per prompt: asking for more prompts writes only the new ones, and
+    each request gets the replies to exactly its first N prompts, in prompt order."""
+    from pathlib import Path
+
+    from specdec.train.config import load_recipe
+    from specdec.train.pipeline import regenerate_files
+    from specdec.train.trainer import DistInfo
+
+    def files_for(n):
+        recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "medusa.yaml", [
+            "data.regenerate.enabled=true", f"data.regenerate.num_prompts={n}",
+            "data.regenerate.max_new_tokens=4", "data.regenerate.batch_size=2",
+            f"data.regenerate.dir={tmp_path / 'regen'}"])
+        (out,) = regenerate_files(recipe, tiny_target, [prompts_file], DistInfo(0, 0, 1, torch.device("cpu")))
+        return out, capsys.readouterr().err
+
+    first, log = files_for(3)
+    assert "'written': 3" in log
+    more, log = files_for(5)
+    assert "'written': 2" in log and "'already_done': 3" in log
+    fewer, log = files_for(2)
+    assert "'written': 0" in log
+    ids = lambda f: [r["id"].split("/")[-1] for r in read(f)]   # the prompt's index in the file
+    assert ids(more) == ["0", "1", "2", "3", "4"] and ids(fewer) == ["0", "1"]
+    assert read(fewer) == read(more)[:2] == read(first)[:2]     # the same cached replies
