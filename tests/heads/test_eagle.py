@@ -59,7 +59,8 @@ def test_drafter_proposes_valid_trees_for_a_batch(tiny_target, kit, name):
     torch.manual_seed(2)
     head = get_head_class(name).from_target(tiny_target, **HEADS[name])
     spec = head.feature_spec()
-    drafter = head.new_drafter(tiny_target, max_batch=3, max_len=64)
+    # grow every level (a random head's flat drafts would stop the CPU default at depth 1)
+    drafter = head.new_drafter(tiny_target, max_batch=3, max_len=64, min_frontier_mass=0.0)
     assert isinstance(drafter, Drafter) and drafter.feature_spec == spec
     seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
     for slot, s in zip((2, 0), seqs):
@@ -103,7 +104,7 @@ def test_drafter_matches_training_time_test(tiny_target, kit, name):
     spec = head.feature_spec()
     prompt = torch.randint(0, 256, (14,))
     n = 13
-    drafter = head.new_drafter(tiny_target, max_batch=1, max_len=64)
+    drafter = head.new_drafter(tiny_target, max_batch=1, max_len=64, min_frontier_mass=0.0)
     f = kit.features(tiny_target, prompt[None, :n], aux_layers=spec.aux_layers)
     drafter.prefill(0, prompt[:n], {k: v[0] for k, v in f.items()})
     tree = drafter.propose(torch.tensor([0]), prompt[n:n + 1], TreeBudget(3, 3, 1))  # a chain
@@ -155,7 +156,7 @@ def test_overfitted_head_drafts_the_continuation(tiny_target, kit, greedy_seq, n
     assert acc["count"][0] == greedy_seq.shape[1] - 1
     assert acc["correct"][0] >= 0.9 * acc["count"][0]
     assert len(acc["confidence"]) == len(acc["hit"]) == len(acc["depth"])
-    drafter = head.new_drafter(tiny_target, max_batch=1, max_len=64)
+    drafter = head.new_drafter(tiny_target, max_batch=1, max_len=64, min_frontier_mass=0.0)
     f = {k: v[0] for k, v in batch.items() if k in ("hidden", "aux")}
     seq = greedy_seq[0]
     hits = 0

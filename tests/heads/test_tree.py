@@ -151,6 +151,36 @@ def test_dynamic_tree_follows_a_confident_chain_and_maps_tokens():
     assert tree.parents.tolist() == [[-1, 0, 1, 2, 3]]
 
 
+def test_dynamic_tree_stops_growing_when_the_frontier_promises_little():
+    """A level is drafted only while some row's next frontier holds >= min_frontier_mass of
+    cumulative draft probability; what is kept is still the best max_nodes of what was grown."""
+    V = 16
+    flat = torch.full((V, V), 1.0 / V).log()                           # every child has p = 1/16
+    budget = TreeBudget(max_nodes=8, max_depth=4, topk=2)
+    calls = []
+
+    def step(frontier):
+        calls.append(frontier.depth)
+        return flat[frontier.tokens]
+
+    tree = expand_dynamic_tree(step, torch.tensor([1, 2]), budget, min_frontier_mass=0.15)
+    # depth-1 frontier: 2 children of mass 1/16 each = 0.125 < 0.15 -> no second level
+    assert calls == [0] and tree.num_nodes == 1 + 2
+    tree.validate(vocab_size=V)
+    calls.clear()
+    tree = expand_dynamic_tree(step, torch.tensor([1, 2]), budget, min_frontier_mass=0.1)
+    # 0.125 >= 0.1 goes on; the depth-2 frontier holds 2/256 < 0.1 -> stops after two levels
+    assert calls == [0, 1]
+    assert tree.num_nodes == 1 + 2 + 4 and int(tree.masks()[0].max()) == 2   # all 6 grown kept
+    calls.clear()
+    peaked = torch.full((V, V), -9.0)
+    peaked[torch.arange(V), (torch.arange(V) + 1) % V] = 0.0           # one confident child
+    peaked = peaked.log_softmax(-1)
+    tree = expand_dynamic_tree(lambda f: (calls.append(f.depth), peaked[f.tokens])[1],
+                               torch.tensor([1, 2]), budget, min_frontier_mass=0.5)
+    assert calls == [0, 1, 2, 3]                                        # a sure chain is grown fully
+
+
 def test_validate_rejects_bad_trees():
     ok = dict(tokens=torch.tensor([[1, 2, 3]]), valid=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="not an earlier node"):
