@@ -34,7 +34,7 @@ BUNDLED = {  # name -> file in train/assets/, licence beside it as LICENSE.<stem
     "sharegpt_dummy": "sharegpt_dummy.json",  # Apache-2.0 (FastChat)
     "tasks": "task_mix.jsonl",             # Apache-2.0 + MIT: built from the two above (scripts/make_task_prompts.py)
 }
-CACHE_VERSION = 1  # bump when tokenisation changes so old caches are not reused
+CACHE_VERSION = 2  # bump when tokenisation changes so old caches are not reused
 
 
 class DataError(ValueError):
@@ -93,7 +93,9 @@ def _read_records(path: Path, policy: ErrorPolicy) -> Iterator[tuple[object, str
             jsonl = True
     if jsonl:
         index = 0
-        for lineno, line in enumerate(text.splitlines(), 1):
+        # only \n ends a JSONL record: splitlines() also cuts at U+2028, U+0085 ... that
+        # json.dumps(ensure_ascii=False) leaves raw inside strings
+        for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:

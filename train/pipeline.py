@@ -111,10 +111,13 @@ def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) 
                            recipe.optim.seed, d.format], sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:8]
     share = None if g.num_prompts is None else len(range(dist.rank, g.num_prompts, dist.world_size))
+    view = "" if share is None else f".first{g.num_prompts}"  # replies to the first N prompts
+
+    def name(path: Path, kind: str, rank: int) -> Path:
+        return folder / f"{_slug(path)}-{key}{kind}-{rank}-of-{dist.world_size}.jsonl"
+
     for path in files:
-        stem = folder / f"{_slug(path)}-{key}"
-        prompts = Path(f"{stem}.prompts-{dist.rank}-of-{dist.world_size}.jsonl")
-        replies = Path(f"{stem}.part-{dist.rank}-of-{dist.world_size}.jsonl")
+        prompts, replies = name(path, ".prompts", dist.rank), name(path, ".part", dist.rank)
         if not prompts.exists():  # this process's prompts: conversation i with i % world == rank
             tmp = prompts.with_suffix(".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
@@ -126,30 +129,28 @@ def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) 
                            max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                            seed=recipe.optim.seed + dist.rank, fmt="openai", progress=dist.is_main)
         if share is not None:
-            view = Path(f"{stem}.first{g.num_prompts}.part-{dist.rank}-of-{dist.world_size}.jsonl")
-            _first_replies(prompts, replies, share, view)
+            _first_replies(prompts, replies, share, name(path, f"{view}.part", dist.rank))
         if dist.is_main:
             print(f"regenerated {path.name}: {stats}", file=sys.stderr)
     barrier()
-    outputs = []
-    for path in files:
-        stem = folder / f"{_slug(path)}-{key}"
-        view = "" if share is None else f".first{g.num_prompts}"
-        outputs += [Path(f"{stem}{view}.part-{r}-of-{dist.world_size}.jsonl") for r in range(dist.world_size)]
+    outputs = [name(path, f"{view}.part", r) for path in files for r in range(dist.world_size)]
     return [p for p in outputs if p.stat().st_size > 0]
 
 
 def _first_replies(prompts: Path, replies: Path, count: int, out: Path) -> None:
     """Write the replies to the first ``count`` prompts, in prompt order (regenerate writes them
-    in length order, and the cache may hold replies to later prompts too)."""
-    ids = [json.loads(line)["id"] for line in prompts.read_text(encoding="utf-8").splitlines()[:count]]
-    records = {}
-    for line in replies.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            record = json.loads(line)
-            records[record["id"].removeprefix(f"{prompts.name}/")] = line  # "<file>/<prompt id>"
+    in length order, and the cache may hold replies to later prompts too). Prompts are counted
+    as `regenerate` counts them: records without a user turn are not prompts."""
+    from specdec.train.regenerate import first_turn_prompt
+
+    records = [json.loads(line) for line in prompts.read_text(encoding="utf-8").split("\n") if line.strip()]
+    ids = [r["id"] for r in records if first_turn_prompt(r["messages"]) is not None][:count]
+    by_id = {}
+    for line in replies.read_text(encoding="utf-8").split("\n"):  # not splitlines: see data.py
+        if line.strip():  # a reply's id is "<prompts file name>/<prompt id>"
+            by_id[json.loads(line)["id"].removeprefix(f"{prompts.name}/")] = line
     tmp = out.with_suffix(".tmp")
-    tmp.write_text("".join(records[i] + "\n" for i in ids if i in records), encoding="utf-8")
+    tmp.write_text("".join(by_id[i] + "\n" for i in ids if i in by_id), encoding="utf-8")
     tmp.replace(out)
 
 

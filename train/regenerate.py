@@ -55,7 +55,7 @@ def done_ids(out: Path) -> set[str]:
                 f.truncate(cut)
             print(f"specdec-data: dropped a half-written last line of {out}", file=sys.stderr)
     ids = set()
-    for lineno, line in enumerate(out.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(out.read_text(encoding="utf-8").split("\n"), 1):  # only \n ends a record
         if not line.strip():
             continue
         try:

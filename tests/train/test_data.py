@@ -264,3 +264,13 @@ def test_bundled_task_prompts_are_what_the_script_writes(tmp_path):
     ids = [json.loads(line)["id"] for line in shipped.read_text(encoding="utf-8").splitlines()[:90]]
     families = [i.split("-", 2)[2] for i in ids]
     assert len(set(families)) == 9 and all(families.count(f) == 10 for f in set(families))
+
+
+def test_jsonl_records_may_hold_unicode_line_separators(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028 / U+0085 raw inside strings (the
+    self-distillation files do): only a newline ends a JSONL record."""
+    rec = {"messages": [{"role": "user", "content": "a\u2028b\x85c"}, {"role": "assistant", "content": "d"}]}
+    f = tmp_path / "u.jsonl"
+    f.write_text("".join(json.dumps(rec, ensure_ascii=False) + "\n" for _ in range(2)), encoding="utf-8")
+    ds = load_conversations([f], on_error="fail")
+    assert len(ds) == 2 and ds["messages"][0][0]["content"] == "a\u2028b\x85c"
