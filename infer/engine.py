@@ -157,7 +157,7 @@ class Engine:
 
     def _first_token(self, r: Request, logits: torch.Tensor) -> int:
         if r.params.greedy:
-            return int(logits.argmax())
+            return int(sampling.greedy_tokens(logits))
         temperature, top_k, top_p = sampling.sampling_tensors([r.params], self.device)
         probs = sampling.process_logits(logits[None], temperature, top_k, top_p)  # [1, V]
         return int(sampling.sample(probs, r.uniforms(1)))
@@ -234,8 +234,12 @@ class Engine:
         -> n_accepted [B], path [B, N] (-1 padded), bonus [B]."""
         B = len(reqs)
         n_acc = torch.zeros(B, dtype=torch.long, device=self.device)
-        if tree.num_nodes == 1 and all(r.params.greedy for r in reqs):  # plain greedy decoding
-            return n_acc, torch.zeros(B, 1, dtype=torch.long, device=self.device), logits[:, 0].argmax(-1)
+        if all(r.params.greedy for r in reqs):
+            if tree.num_nodes == 1:  # plain greedy decoding
+                root_only = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+                return n_acc, root_only, sampling.greedy_tokens(logits[:, 0])
+            res = verify.verify_tree(tree, logits)  # one call for the batch: no per-kind split
+            return res.n_accepted, res.path, res.bonus
         bonus = torch.zeros(B, dtype=torch.long, device=self.device)
         path = torch.full((B, tree.num_nodes), -1, dtype=torch.long, device=self.device)
         kinds: dict[tuple, list[int]] = {}

@@ -33,6 +33,13 @@ def sampling_tensors(params: Sequence, device: torch.device | str = "cpu") -> tu
             torch.tensor(ps, dtype=torch.float32, device=device))
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """argmax over the last axis (first index on ties, like torch.argmax). ``max(-1).indices``
+    because bf16 ``argmax`` on CPU is 3-4x slower (0.75 vs 0.31 ms for 8 x 49k logits on the
+    2-core CPU, 3.0 vs 0.7 ms for 32 rows): every greedy step takes it once."""
+    return logits.max(-1).indices
+
+
 def _per_row(value, B: int, dtype: torch.dtype, device: torch.device, name: str) -> Tensor:
     t = torch.as_tensor(value, dtype=dtype, device=device)
     if t.dim() == 0:
@@ -90,7 +97,7 @@ def process_logits(logits: Tensor, temperature: Tensor | float, top_k: Tensor | 
     probs = probs * keep
     probs = probs / probs.sum(-1, keepdim=True)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, greedy_tokens(logits)[..., None], 1.0)
         probs = torch.where(greedy.view(shape), one_hot, probs)
     return probs
 

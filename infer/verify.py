@@ -23,7 +23,7 @@ from torch import Tensor
 
 from specdec.infer.kernels import (KERNELS_ENV, Accepted, compact_kv, draw_uniforms, greedy_accept,
                                    resolve_impl, stochastic_accept)
-from specdec.infer.sampling import process_logits
+from specdec.infer.sampling import greedy_tokens, process_logits
 
 __all__ = ["KERNELS_ENV", "Accepted", "kernel_backend", "verify_tree", "emitted_tokens",
            "row_uniforms", "compact_kv", "greedy_accept", "stochastic_accept"]
@@ -46,7 +46,7 @@ def verify_tree(tree, logits: Tensor, temperature: Tensor | float = 0.0, top_k: 
         raise ValueError(f"verify_tree: logits {tuple(logits.shape)} must be [B, N, V] for a tree of {(B, N)}")
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
     if bool((temp <= 0).all()):
-        return greedy_accept(tree.tokens, tree.parents, tree.valid, logits.argmax(-1),
+        return greedy_accept(tree.tokens, tree.parents, tree.valid, greedy_tokens(logits),
                              max_depth=max_depth, impl=impl)
     probs = process_logits(logits, temperature, top_k, top_p)             # [B, N, V]
     if uniforms is None:

@@ -8,13 +8,14 @@
 """
 from specdec.infer.kernels.common import KERNELS_ENV, Accepted, resolve_impl
 from specdec.infer.kernels.compact_kv import compact_kv, compact_kv_reference, compact_kv_triton
-from specdec.infer.kernels.greedy_accept import greedy_accept, greedy_accept_reference, greedy_accept_triton
+from specdec.infer.kernels.greedy_accept import (greedy_accept, greedy_accept_host, greedy_accept_reference,
+                                                 greedy_accept_triton)
 from specdec.infer.kernels.stochastic_accept import (draw_uniforms, stochastic_accept,
                                                      stochastic_accept_reference, stochastic_accept_triton)
 
 __all__ = [
     "KERNELS_ENV", "Accepted", "resolve_impl", "draw_uniforms",
-    "greedy_accept", "greedy_accept_reference", "greedy_accept_triton",
+    "greedy_accept", "greedy_accept_host", "greedy_accept_reference", "greedy_accept_triton",
     "stochastic_accept", "stochastic_accept_reference", "stochastic_accept_triton",
     "compact_kv", "compact_kv_reference", "compact_kv_triton",
 ]

@@ -2,8 +2,9 @@
 decorator, and the tree checks the references run.
 
 Backend choice (``resolve_impl``): ``SPECDEC_KERNELS=triton|reference|auto`` (default ``auto``:
-Triton for CUDA tensors, the plain-PyTorch reference otherwise). An explicit ``impl=`` argument
-wins over the environment.
+Triton for CUDA tensors, the plain-PyTorch reference otherwise, or, for a kernel that has one, a
+*host* version of the reference in Python lists on CPU tensors: small trees are all per-op
+overhead there). An explicit ``impl=`` argument wins over the environment.
 
 The CPU interpreter (tests): ``TRITON_INTERPRET=1`` must be set before ``triton`` is first
 imported in the process, because ``triton.jit`` picks compiled vs interpreted at decoration time,
@@ -47,13 +48,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def resolve_impl(device: torch.device, impl: str | None = None) -> str:
-    """'triton' or 'reference' for tensors on `device`; see the module docstring."""
+def resolve_impl(device: torch.device, impl: str | None = None, host: bool = False) -> str:
+    """'triton', 'reference' or ('host' when the caller has one) for tensors on `device`; see
+    the module docstring."""
     choice = (impl or os.environ.get(KERNELS_ENV) or "auto").strip().lower()
     if choice not in IMPLS:
         raise ValueError(f"{KERNELS_ENV}/impl must be one of {IMPLS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" and triton is not None else "reference"
+        if device.type == "cuda" and triton is not None:
+            return "triton"
+        return "host" if host and device.type == "cpu" else "reference"
     if choice == "triton":
         if triton is None:
             raise RuntimeError("Triton kernels were requested but `triton` is not installed")

@@ -27,9 +27,45 @@ def greedy_accept(tokens: Tensor, parents: Tensor, valid: Tensor, target_argmax:
     `impl` = 'triton' | 'reference' | None (SPECDEC_KERNELS, default auto: Triton on CUDA).
     """
     check_tree_shapes("greedy_accept", tokens, parents, valid, {"target_argmax": target_argmax})
-    if resolve_impl(tokens.device, impl) == "triton":
+    backend = resolve_impl(tokens.device, impl, host=True)
+    if backend == "triton":
         return greedy_accept_triton(tokens, parents, valid, target_argmax, max_depth)
+    if backend == "host":
+        return greedy_accept_host(tokens, parents, valid, target_argmax, max_depth)
     return greedy_accept_reference(tokens, parents, valid, target_argmax, max_depth)
+
+
+def greedy_accept_host(tokens: Tensor, parents: Tensor, valid: Tensor, target_argmax: Tensor,
+                       max_depth: int | None = None) -> Accepted:
+    """Same contract as the reference, in Python lists: the runtime's CPU path. A small tree
+    costs ~40 tensor ops in the reference (~0.5 ms of per-op overhead a step on the 2-core CPU,
+    where the whole step is ~30 ms); here a few microseconds. Tested equal to the reference."""
+    B, N = check_tree_shapes("greedy_accept", tokens, parents, valid, {"target_argmax": target_argmax})
+    check_tree_values("greedy_accept", parents, valid)
+    width = path_width(parents, valid, max_depth)
+    toks, pars, vals, wants = (t.tolist() for t in (tokens, parents, valid, target_argmax))
+    n_accepted, bonus, paths = [], [], []
+    for tok, par, val, want in zip(toks, pars, vals, wants):
+        depth, ok, best = [0] * N, [False] * N, 0
+        ok[0] = True
+        for i in range(1, N):  # parents come first, so one pass settles every node
+            if not val[i]:
+                continue
+            p = par[i]
+            depth[i] = depth[p] + 1
+            ok[i] = ok[p] and tok[i] == want[p] and depth[i] < width
+            if ok[i] and depth[i] > depth[best]:  # deepest; ties keep the lowest index
+                best = i
+        path, node = [-1] * width, best
+        for j in range(depth[best], -1, -1):
+            path[j], node = node, par[node]
+        n_accepted.append(depth[best])
+        bonus.append(want[best])
+        paths.append(path)
+    dev = tokens.device
+    return Accepted(torch.tensor(n_accepted, dtype=torch.long, device=dev),
+                    torch.tensor(paths, dtype=torch.long, device=dev).view(B, width),
+                    torch.tensor(bonus, dtype=torch.long, device=dev))
 
 
 def greedy_accept_reference(tokens: Tensor, parents: Tensor, valid: Tensor, target_argmax: Tensor,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specdec.infer.kernels import (compact_kv, compact_kv_reference, compact_kv_triton, greedy_accept,
-                                   greedy_accept_reference, greedy_accept_triton, resolve_impl,
+                                   greedy_accept_host, greedy_accept_reference, greedy_accept_triton, resolve_impl,
                                    stochastic_accept, stochastic_accept_reference, stochastic_accept_triton)
 from specdec.infer.kernels.common import interpreting, triton
 
@@ -118,6 +118,15 @@ def test_greedy_reference_matches_brute_force():
         for b, (n, chain, bonus) in enumerate(brute_force_greedy(tokens, parents, valid, argmax, depth_cap)):
             assert int(ref.n_accepted[b]) == n and int(ref.bonus[b]) == bonus
             assert ref.path[b, : n + 1].tolist() == chain and (ref.path[b, n + 1 :] == -1).all()
+
+
+def test_greedy_host_matches_reference():
+    """The runtime's CPU path (Python lists) is the reference's twin, including its edge cases."""
+    for tokens, parents, valid, argmax, max_depth in greedy_trees(seed=3):
+        assert_same(greedy_accept_host(tokens, parents, valid, argmax, max_depth=max_depth),
+                    greedy_accept_reference(tokens, parents, valid, argmax, max_depth=max_depth))
+    check_greedy_edge_cases(greedy_accept_host)
+    check_greedy_ties(greedy_accept_host)
 
 
 @interpreted
@@ -343,10 +352,12 @@ def test_dispatch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
     assert resolve_impl(cpu) == "reference"
+    assert resolve_impl(cpu, host=True) == "host"  # a kernel with a host twin uses it on CPU
     if triton is not None:
         assert resolve_impl(torch.device("cuda")) == "triton"
     monkeypatch.setenv("SPECDEC_KERNELS", "reference")
     assert resolve_impl(torch.device("cuda")) == "reference"
+    assert resolve_impl(cpu, host=True) == "reference"  # asked for by name: the reference
     monkeypatch.setenv("SPECDEC_KERNELS", "triton")
     with pytest.raises(RuntimeError, match="CUDA tensors|not installed"):
         greedy_accept(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), -1),
