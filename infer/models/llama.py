@@ -186,7 +186,10 @@ class LeanCausalLM:
             elif key not in masks:
                 mask = tree_attention_mask(access.base_lens, tree_mask, access.kv_len,
                                            positions=positions, window=layer.window)   # [B, 1, N, L]
-                masks[key] = mask.repeat(1, 1, layer.group, 1)                       # [B, 1, g*N, L]
+                # Additive once per forward: SDPA would turn a bool mask into this in every layer
+                # (~9% of a 13-node verification's attention at a 673-token context).
+                additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+                masks[key] = additive.repeat(1, 1, layer.group, 1)                   # [B, 1, g*N, L]
             x = self._layer(i, layer, x, cos, sin, access, masks[key])
         x = self.norm(x)                                                     # [B, N, H] post-norm
         keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output

@@ -20,9 +20,10 @@ from typing import Callable
 import pytest
 import torch
 
-from specdec.infer.kernels import (compact_kv, compact_kv_reference, compact_kv_triton, greedy_accept,
-                                   greedy_accept_host, greedy_accept_reference, greedy_accept_triton, resolve_impl,
-                                   stochastic_accept, stochastic_accept_reference, stochastic_accept_triton)
+from specdec.infer.kernels import (compact_kv, compact_kv_host, compact_kv_reference, compact_kv_triton,
+                                   greedy_accept, greedy_accept_host, greedy_accept_reference,
+                                   greedy_accept_triton, resolve_impl, stochastic_accept, stochastic_accept_reference,
+                                   stochastic_accept_triton)
 from specdec.infer.kernels.common import interpreting, triton
 
 INTERPRETED: dict[str, Callable[[], None]] = {}
@@ -310,6 +311,23 @@ def check_compact_kv_spec(impl):
 
 def test_compact_kv_reference_spec():
     check_compact_kv_spec(compact_kv_reference)
+
+
+def test_compact_kv_host_spec_and_random_paths():
+    """The runtime's CPU path moves exactly what the reference moves."""
+    check_compact_kv_spec(compact_kv_host)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        B, P = 3, 6
+        tokens, parents, valid = random_tree(B, 12, "random", gen)
+        argmax = torch.randint(0, 3, (B, 12), generator=gen)
+        path = greedy_accept_reference(tokens, parents, valid, argmax, max_depth=P - 1).path
+        slots, base_lens = torch.randperm(4, generator=gen)[:B], torch.randint(0, 16, (B,), generator=gen)
+        a, stacked = _caches(gen, torch.bfloat16)
+        b, stacked_b = [t.clone() for t in a], stacked.clone()
+        compact_kv_reference(a, stacked, slots, base_lens, path)
+        compact_kv(b, stacked_b, slots, base_lens, path)  # auto on CPU: the host twin
+        assert all(torch.equal(x, y) for x, y in zip(a + [stacked], b + [stacked_b]))
 
 
 @interpreted
