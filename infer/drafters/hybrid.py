@@ -18,19 +18,20 @@ rate over all steps and slots). So a copy-heavy prompt
 leaves the budget to the head. All scores are non-increasing along paths, so the kept nodes form
 a tree.
 
-Cost: retrieval is nearly free, the head is not (~10 ms a step on the 2-core CPU next to a
-~30 ms verification), so the head drafts only where it pays (``HeadGate``; off with
-``adaptive=False``): per regime of how much retrieval already offers, paired samples from the
-steps the head drafted compare tokens/s with the head against what retrieval alone would have
-given on the same step. The head drafts under the heads' default budget while retrieval may
-fill the deeper lookup budget (PLD's on CPU: long copies). The merged tree is deterministic
+Cost: PLD is nearly free, the head and REST are not (on the 2-core CPU the head ~10 ms a step,
+a REST lookup ~2.5 ms, each verified node ~0.5-1 ms, next to a ~30-40 ms verification), so each
+of those two drafts only where it pays (``SourceGate``; off with ``adaptive=False``): per regime
+of how much PLD already offers, paired samples from the steps the source drafted compare
+tokens/s with it against what the other sources alone would have given on the same step. The
+head drafts under the heads' default budget while retrieval may fill the deeper lookup budget
+(PLD's on CPU: long copies). The merged tree is deterministic
 (``draft_probs`` None): even if the head sampled its children, treating the final candidate set
 as fixed is lossless under the point-mass rule.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,8 +45,9 @@ from .rest import RESTDrafter
 from .rest import make_drafter as make_rest
 
 CPU_MIN_SCORE = 0.05
-# What verifying one more tree node costs on the 2-core CPU (24 -> 29 ms from 1 to 12 nodes at
-# a 100-token context, 26 -> 37 ms at 1,000): charged to the head for the nodes only it proposed.
+# What verifying one more tree node costs on the 2-core CPU in bf16 (24 -> 29 ms from 1 to 12
+# nodes at a 100-token context, 26 -> 37 ms at 1,000; float32 ~2-3 ms): charged to a gated
+# source for the nodes only it proposed, until ``NodeCost`` has measured it on the running machine.
 CPU_NODE_SECONDS = 0.0005
 # The head gate's regimes, by retrieval's expected accepted length (``expected_length``):
 # nothing useful / a short or doubtful match / a trusted copy.
@@ -72,15 +74,16 @@ class AcceptanceEstimate:
         self.hits[source] = self.hits.get(source, 0.0) + float(hit)
 
 
-class HeadGate:
-    """Does the head pay in a regime? Decided from *paired* samples, one per step the head drafts:
-    the tokens the step committed against the tokens retrieval's own nodes would have committed
-    (the accepted path's prefix that retrieval proposed too), and the step's time against that
-    time less the head's drafting and the verification of the nodes only the head proposed.
-    Both halves of a pair share the prompt and the context, so a few dozen pairs decide where
-    unpaired rates (accepted lengths vary from 1 to 7 from step to step) need hundreds.
+class SourceGate:
+    """Does a costly source (the head, REST) pay in a regime? Decided from *paired* samples, one
+    per step the source drafts: the tokens the step committed against the tokens the other
+    sources' nodes would have committed (the accepted path's prefix they proposed too), and the
+    step's time against that time less the source's drafting and the verification of the nodes
+    only it proposed. Both halves of a pair share the prompt and the context, so a few dozen
+    pairs decide where unpaired rates (accepted lengths vary from 1 to 7 from step to step)
+    need hundreds.
 
-    While the head loses in a regime it still drafts ``run`` steps every ``explore`` decisions
+    While the source loses in a regime it still drafts ``run`` steps every ``explore`` decisions
     there; the first step of such a run is not sampled (the head catches up on the tokens it
     skipped, which is not its steady cost).
     """
@@ -108,29 +111,56 @@ class HeadGate:
         return s[0] / s[2], s[1] / s[3]
 
     def record(self, regime: int, ran: bool, tokens_on: int, tokens_off: int, seconds: float,
-               head_seconds: float, head_only_nodes: int) -> None:
-        """One step's pair (ran: the head drafted this step; otherwise nothing is learnt)."""
+               source_seconds: float, only_nodes: int) -> None:
+        """One step's pair (ran: the source drafted this step; otherwise nothing is learnt)."""
         steady, self._ran_last = self._ran_last, ran
         if not ran or not steady or seconds <= 0:
             return
-        off_seconds = max(seconds - head_seconds - head_only_nodes * self.node_seconds, 1e-6)
+        off_seconds = max(seconds - source_seconds - only_nodes * self.node_seconds, 1e-6)
         s = self.sums.setdefault(regime, np.zeros(5))
         s *= self.decay
         s += (tokens_on, tokens_off, seconds, off_seconds, 1.0)
 
 
+class NodeCost:
+    """Seconds one more verified node adds to a step, measured online: the decayed least-squares
+    slope of the steps' verification time (step time less drafting) over their verified nodes.
+    ``prior`` until the steps seen differ enough in size to fit a slope."""
+
+    def __init__(self, prior: float = CPU_NODE_SECONDS, decay: float = 0.98, min_steps: int = 8,
+                 min_variance: float = 2.0):
+        self.prior, self.decay, self.min_steps, self.min_variance = prior, decay, min_steps, min_variance
+        self.sums = np.zeros(5)  # decayed [steps, sum n, sum t, sum n^2, sum n*t]
+
+    def add(self, nodes: int, seconds: float) -> None:
+        self.sums *= self.decay
+        self.sums += (1.0, nodes, seconds, nodes * nodes, nodes * seconds)
+
+    @property
+    def seconds(self) -> float:
+        k, n, t, nn, nt = self.sums
+        if k < self.min_steps:
+            return self.prior
+        variance = nn / k - (n / k) ** 2
+        if variance < self.min_variance:
+            return self.prior
+        return max((nt / k - (n / k) * (t / k)) / variance, 0.0)
+
+
 @dataclass
 class _TimedStep:
-    """The step the head gate is pairing, from ``propose`` until all its slots commit."""
+    """The step the gates are pairing, from ``propose`` until all its slots commit; per gated
+    source: did it draft, its drafting time, what the step would have committed without it,
+    the verified nodes only it proposed."""
 
     regime: int
     slots: set[int]
     start: float
-    ran: bool = False  # the head drafted
-    head_seconds: float = 0.0
     tokens_on: int = 0  # committed
-    tokens_off: int = 0  # what retrieval's own nodes would have committed
-    head_only: int = 0  # verified nodes only the head proposed
+    nodes: int = 0  # verified, roots included
+    seconds: dict[str, float] = field(default_factory=dict)  # only sources that drafted
+    tokens_off: dict[str, int] = field(default_factory=dict)
+    only_nodes: dict[str, int] = field(default_factory=dict)
 
 
 class HybridDrafter:
@@ -138,7 +168,7 @@ class HybridDrafter:
 
     def __init__(self, head_drafter=None, pld: PLDDrafter | None = None,
                  rest: RESTDrafter | None = None, adaptive: bool = True, min_score: float | None = None,
-                 head_depth: int | None = None):
+                 head_depth: int | None = None, clock=time.perf_counter):
         if head_drafter is None and pld is None and rest is None:
             raise ValueError("hybrid needs at least one source (a head, pld or rest)")
         if head_depth is not None and head_depth < 1:
@@ -148,8 +178,11 @@ class HybridDrafter:
         self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES
         self.estimate = AcceptanceEstimate()
         self.min_score, self.head_depth = min_score, head_depth
-        self.gate = HeadGate() if head_drafter is not None and adaptive else None
-        self.head_steps = self.steps = 0  # how often the head drafted (reported by tests, bench notes)
+        self.clock = clock
+        costly = [name for name, d in ((HEAD, head_drafter), ("rest", rest)) if d is not None]
+        self.gates = {name: SourceGate(clock=clock) for name in costly} if adaptive else {}
+        self.node_cost = NodeCost()
+        self.head_steps = self.rest_steps = self.steps = 0  # how often each drafted (tests, bench notes)
         self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
         self._step: _TimedStep | None = None
 
@@ -175,19 +208,26 @@ class HybridDrafter:
     def commit(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None:
         committed = token_list(token_ids)
         trie = self.last_trie.get(slot)
-        by_retrieval = self.learn(slot, committed)
+        without = self.learn(slot, committed)
         for d in self._all():
             d.commit(slot, token_ids, features)
         step = self._step
-        if step is not None and slot in step.slots:  # the gate's pair: propose -> verify -> commit
+        if step is not None and slot in step.slots:  # the gates' pair: propose -> verify -> commit
             step.slots.discard(slot)
             step.tokens_on += len(committed)
-            step.tokens_off += 1 + by_retrieval
-            step.head_only += _head_only_nodes(trie) if step.ran else 0
+            step.nodes += _verified_nodes(trie)
+            for name in self.gates:
+                step.tokens_off[name] = step.tokens_off.get(name, 0) + 1 + without.get(name, 0)
+                if name in step.seconds:
+                    step.only_nodes[name] = step.only_nodes.get(name, 0) + _only_nodes(trie, name)
             if not step.slots:
                 self._step = None
-                self.gate.record(step.regime, step.ran, step.tokens_on, step.tokens_off,
-                                 self.gate.clock() - step.start, step.head_seconds, step.head_only)
+                seconds = self.clock() - step.start
+                self.node_cost.add(step.nodes, seconds - sum(step.seconds.values()))
+                for name, gate in self.gates.items():
+                    gate.node_seconds = self.node_cost.seconds
+                    gate.record(step.regime, name in step.seconds, step.tokens_on, step.tokens_off[name],
+                                seconds, step.seconds.get(name, 0.0), step.only_nodes.get(name, 0))
 
     def release(self, slot: int) -> None:
         for d in self._all():
@@ -196,26 +236,43 @@ class HybridDrafter:
 
     def propose(self, slots: Tensor, roots: Tensor, budget: TreeBudget) -> DraftTree:
         slot_list, root_list = [int(s) for s in slots.tolist()], [int(r) for r in roots.tolist()]
-        tries = []
-        for slot, root in zip(slot_list, root_list):
-            trie = CandidateTrie(root)
-            for name, drafter in self.retrieval.items():  # PLD first
-                if name == "rest" and self.pld is not None and expected_length(trie) >= REGIME_EDGES[-1]:
-                    continue  # a trusted copy from the prompt: the datastore would add nodes, not tokens
-                self._add_retrieval(trie, drafter.trie(slot, root, budget, source=name), name)
-            self.last_trie[slot] = trie
-            tries.append(trie)
+        tries = [CandidateTrie(root) for root in root_list]
+        if self.pld is not None:
+            for slot, root, trie in zip(slot_list, root_list, tries):
+                self._add_retrieval(trie, self.pld.trie(slot, root, budget, source="pld"), "pld")
+        # The gates' regime: how much PLD offers, on average over the batch.
+        regime = regime_of(sum(expected_length(t) for t in tries) / max(len(tries), 1))
+        self._step = _TimedStep(regime, set(slot_list), self.clock()) if self.gates else None
         self.steps += 1
-        if self.head is not None and self._head_pays(tries, slot_list):
-            self.head_steps += 1
-            step = self._step  # set by _head_pays when the gate is on
-            start = self.gate.clock() if step is not None else 0.0
+        # A trusted copy from the prompt: the datastore would add nodes, not tokens.
+        wants_rest = [self.pld is None or expected_length(t) < REGIME_EDGES[-1] for t in tries]
+        if self.rest is not None and any(wants_rest) and self._pays("rest", regime):
+            start = self.clock()
+            for slot, root, trie, wants in zip(slot_list, root_list, tries, wants_rest):
+                if wants:
+                    self._add_retrieval(trie, self.rest.trie(slot, root, budget, source="rest"), "rest")
+            self._drafted("rest", start)
+        if self.head is not None and self._pays(HEAD, regime):
+            start = self.clock()
             head_tree = self.head.propose(slots, roots, _head_budget(budget, roots.device, self.head_depth))
             for b, trie in enumerate(tries):
                 self._add_head(trie, head_tree, b)
-            if step is not None:
-                step.ran, step.head_seconds = True, self.gate.clock() - start
+            self._drafted(HEAD, start)
+        self.last_trie.update(zip(slot_list, tries))
         return pack_trees(tries, budget, roots.device, self._min_score(roots.device))
+
+    def _pays(self, source: str, regime: int) -> bool:
+        gate = self.gates.get(source)
+        return gate is None or gate.pays(regime)
+
+    def _drafted(self, source: str, start: float) -> None:
+        """Count a source's drafting and time it for its gate."""
+        if source == HEAD:
+            self.head_steps += 1
+        else:
+            self.rest_steps += 1
+        if self._step is not None:
+            self._step.seconds[source] = self.clock() - start
 
     def _min_score(self, device) -> float:
         """Nodes estimated below this acceptance are left out: on CPU each verified node costs
@@ -224,14 +281,6 @@ class HybridDrafter:
         if self.min_score is not None:
             return self.min_score
         return CPU_MIN_SCORE if torch.device(device).type == "cpu" else 0.0
-
-    def _head_pays(self, tries: list[CandidateTrie], slots: list[int]) -> bool:
-        """The gate's call for this step, in the regime of retrieval's mean expected length."""
-        if self.gate is None:
-            return True
-        regime = regime_of(sum(expected_length(t) for t in tries) / max(len(tries), 1))
-        self._step = _TimedStep(regime, set(slots), self.gate.clock())
-        return self.gate.pays(regime)
 
     # -- merging -----------------------------------------------------------------------------
     def _add_head(self, trie: CandidateTrie, tree: DraftTree, b: int) -> None:
@@ -270,15 +319,16 @@ class HybridDrafter:
                 score = alpha ** sub.depth[k] * min(sub.scores[k], 1.0)
                 stack.append((k, path + [sub.tokens[k]], scores + [score]))
 
-    def learn(self, slot: int, committed: list[int]) -> int:
+    def learn(self, slot: int, committed: list[int]) -> dict[str, int]:
         """Update each source's acceptance rate from the committed path of the last tree.
-        -> how many of the accepted drafts retrieval had proposed too, from the root on (what
-        the step would have accepted without the head)."""
+        -> per gated source, how many of the accepted drafts the other sources had proposed too,
+        from the root on (what the step would have accepted without that source)."""
         trie = self.last_trie.pop(slot, None)
         if trie is None or not committed or committed[0] != trie.tokens[0]:
-            return 0
+            return {}
         proposed = trie.kept if trie.kept is not None else set(range(len(trie.tokens)))
-        node, by_retrieval, retrieval_path = 0, 0, True
+        node, without = 0, dict.fromkeys(self.gates, 0)
+        others_path = dict.fromkeys(self.gates, True)  # the path so far had other proposers
         for tok in committed[1:] + [None]:  # None: the path ended; its last node's children failed
             kids = [i for i in proposed if i and trie.parents[i] == node]
             proposers = set().union(*(trie.sources[i] for i in kids)) if kids else set()
@@ -286,19 +336,27 @@ class HybridDrafter:
             for src in proposers:
                 self.estimate.update(src, nxt is not None and src in trie.sources[nxt])
             if nxt is None:
-                return by_retrieval
-            retrieval_path = retrieval_path and bool(trie.sources[nxt] - {HEAD})
-            by_retrieval += retrieval_path
+                return without
+            for name in without:
+                others_path[name] = others_path[name] and bool(trie.sources[nxt] - {name})
+                without[name] += others_path[name]
             node = nxt
-        return by_retrieval
+        return without
 
 
-def _head_only_nodes(trie: CandidateTrie | None) -> int:
-    """Verified nodes that only the head proposed."""
+def _verified_nodes(trie: CandidateTrie | None) -> int:
+    """Nodes of the tree that was verified, root included."""
+    if trie is None:
+        return 1
+    return len(trie.kept) if trie.kept is not None else len(trie.tokens)
+
+
+def _only_nodes(trie: CandidateTrie | None, source: str) -> int:
+    """Verified nodes that only ``source`` proposed."""
     if trie is None:
         return 0
     kept = trie.kept if trie.kept is not None else range(1, len(trie.tokens))
-    return sum(1 for i in kept if i and trie.sources[i] == {HEAD})
+    return sum(1 for i in kept if i and trie.sources[i] == {source})
 
 
 def regime_of(expected_len: float) -> int:
@@ -332,7 +390,7 @@ def make_drafter(target, draft_head=None, head=None, datastore=None, use_pld: bo
     draft_head (or head): a trained head folder, or an already loaded head, e.g. EAGLE-3; None
     drafts from retrieval only. datastore: REST's datastore folder (None: the default one over
     the bundled prompts). use_pld / use_rest switch the retrieval sources off. adaptive False:
-    the head drafts every step (no gate). min_score: drop merged nodes estimated below it
+    the head and REST draft every step (no gates). min_score: drop merged nodes estimated below it
     (None: 0.05 on CPU, 0 elsewhere). head_depth: cap the head's draft levels.
     """
     head = draft_head if draft_head is not None else head

@@ -16,7 +16,7 @@ from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
                                      default_datastore)
 from specdec.infer.gate import ThroughputGate
-from specdec.infer.drafters.hybrid import HeadGate, regime_of
+from specdec.infer.drafters.hybrid import HEAD, NodeCost, SourceGate, regime_of
 from specdec.infer.drafters.hybrid import HybridDrafter
 from specdec.infer.drafters.lookahead import LookaheadDrafter
 from specdec.infer.drafters.pld import CandidateTrie, PLDDrafter, find_continuations
@@ -314,8 +314,7 @@ def test_hybrid_head_gate_learns_from_paired_steps(head_pays):
             clock.now += 1.0 if head_pays else 10.0
             return super().propose(slots, roots, budget)
 
-    d = HybridDrafter(TimedHead(), min_score=0.0)  # the head as the only source
-    d.gate = HeadGate(clock=clock)
+    d = HybridDrafter(TimedHead(), min_score=0.0, clock=clock)  # the head as the only source
     d.reset(1, 256)
     d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {"hidden": torch.zeros(7, 4)})
     budget = TreeBudget(max_nodes=6, max_depth=4, topk=4)
@@ -324,7 +323,7 @@ def test_hybrid_head_gate_learns_from_paired_steps(head_pays):
         clock.now += 2.0  # verification
         committed = [3, 50, 51] if head_pays else [3]
         d.commit(0, torch.tensor(committed), {"hidden": torch.zeros(len(committed), 4)})
-    on, off = d.gate.rates(regime_of(0.0))
+    on, off = d.gates[HEAD].rates(regime_of(0.0))
     assert d.steps == 60 and (on > off) == head_pays
     if head_pays:
         assert d.head_steps == 60
@@ -334,16 +333,59 @@ def test_hybrid_head_gate_learns_from_paired_steps(head_pays):
         HybridDrafter(TimedHead(), PLDDrafter(), head_depth=0)
 
 
-def test_head_gate_pairs_tokens_and_time_of_one_step():
-    gate = HeadGate(decay=1.0, min_samples=2, explore=10, run=2, node_seconds=0.5)
-    gate.record(0, ran=True, tokens_on=3, tokens_off=1, seconds=4.0, head_seconds=1.0, head_only_nodes=2)
-    assert gate.rates(0) == (None, None)  # the first step after the head was off is not sampled
+@pytest.mark.parametrize("rest_pays", [False, True])
+def test_hybrid_rest_gate_learns_from_paired_steps(rest_pays):
+    """REST is gated like the head: a lookup costing 3 time units whose continuation is never
+    accepted is switched off after its first paired samples; one costing 0.5 whose two tokens are
+    always accepted stays on (3 tokens in 2.5 units beat 1 in 2)."""
+    clock = FakeClock()
+
+    class TimedREST(PLDDrafter):  # a "datastore" that always continues with 70, 71
+        def trie(self, slot, root, budget, source="rest"):
+            clock.now += 0.5 if rest_pays else 3.0
+            trie = CandidateTrie(root)
+            trie.add([70, 71], 0.9, source=source)
+            return trie
+
+    d = HybridDrafter(None, None, TimedREST(), min_score=0.0, clock=clock)  # the datastore alone
+    d.reset(1, 256)
+    d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {})
+    budget = TreeBudget(max_nodes=6, max_depth=4, topk=4)
+    for _ in range(60):
+        d.propose(torch.tensor([0]), torch.tensor([3]), budget)
+        clock.now += 2.0  # verification
+        committed = [3, 70, 71] if rest_pays else [3]
+        d.commit(0, torch.tensor(committed), {})
+    on, off = d.gates["rest"].rates(regime_of(0.0))
+    assert (on > off) == rest_pays and set(d.gates) == {"rest"}
+    assert d.rest_steps == 60 if rest_pays else d.rest_steps < 15
+
+
+def test_node_cost_fits_the_seconds_a_verified_node_adds():
+    cost = NodeCost(prior=0.0005)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        cost.add(7, 0.04)
+    assert cost.seconds == 0.0005  # too few steps: the prior
+    for _ in range(30):
+        cost.add(7, 0.04)
+    assert cost.seconds == 0.0005  # every step the same size: no slope to fit
+    for _ in range(200):  # float32-like: 30 ms a step plus 2.5 ms a node, with noise
+        n = int(rng.integers(1, 14))
+        cost.add(n, 0.030 + 0.0025 * n + float(rng.normal(0, 0.002)))
+    assert cost.seconds == pytest.approx(0.0025, rel=0.15)
+
+
+def test_source_gate_pairs_tokens_and_time_of_one_step():
+    gate = SourceGate(decay=1.0, min_samples=2, explore=10, run=2, node_seconds=0.5)
+    gate.record(0, ran=True, tokens_on=3, tokens_off=1, seconds=4.0, source_seconds=1.0, only_nodes=2)
+    assert gate.rates(0) == (None, None)  # the first step after the source was off is not sampled
     for _ in range(2):
-        gate.record(0, ran=True, tokens_on=3, tokens_off=1, seconds=4.0, head_seconds=1.0, head_only_nodes=2)
+        gate.record(0, ran=True, tokens_on=3, tokens_off=1, seconds=4.0, source_seconds=1.0, only_nodes=2)
     on, off = gate.rates(0)
     assert on == pytest.approx(3 / 4.0) and off == pytest.approx(1 / (4.0 - 1.0 - 2 * 0.5))
     assert gate.pays(0)  # 0.75 vs 0.5 tokens per unit of time
-    gate.record(1, ran=False, tokens_on=1, tokens_off=1, seconds=1.0, head_seconds=0.0, head_only_nodes=0)
+    gate.record(1, ran=False, tokens_on=1, tokens_off=1, seconds=1.0, source_seconds=0.0, only_nodes=0)
     assert 1 not in gate.sums  # a step without the head teaches nothing
 
 
