@@ -313,21 +313,26 @@ def test_compact_kv_reference_spec():
     check_compact_kv_spec(compact_kv_reference)
 
 
-def test_compact_kv_host_spec_and_random_paths():
-    """The runtime's CPU path moves exactly what the reference moves."""
-    check_compact_kv_spec(compact_kv_host)
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(10):
+def check_compact_kv_random_paths(impl, seed: int, rounds: int, dtype):
+    """`impl` moves exactly what the reference moves, on accepted paths of random trees."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(rounds):
         B, P = 3, 6
         tokens, parents, valid = random_tree(B, 12, "random", gen)
         argmax = torch.randint(0, 3, (B, 12), generator=gen)
         path = greedy_accept_reference(tokens, parents, valid, argmax, max_depth=P - 1).path
         slots, base_lens = torch.randperm(4, generator=gen)[:B], torch.randint(0, 16, (B,), generator=gen)
-        a, stacked = _caches(gen, torch.bfloat16)
+        a, stacked = _caches(gen, dtype)
         b, stacked_b = [t.clone() for t in a], stacked.clone()
         compact_kv_reference(a, stacked, slots, base_lens, path)
-        compact_kv(b, stacked_b, slots, base_lens, path)  # auto on CPU: the host twin
+        impl(b, stacked_b, slots, base_lens, path)
         assert all(torch.equal(x, y) for x, y in zip(a + [stacked], b + [stacked_b]))
+
+
+def test_compact_kv_host_spec_and_random_paths():
+    """The runtime's CPU path (compact_kv's default on CPU tensors) is the reference's twin."""
+    check_compact_kv_spec(compact_kv_host)
+    check_compact_kv_random_paths(compact_kv, seed=2, rounds=10, dtype=torch.bfloat16)
 
 
 @interpreted
@@ -337,19 +342,8 @@ def compact_kv_kernel_spec():
 
 @interpreted
 def compact_kv_kernel_random_paths():
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        B, P = 3, 6
-        tokens, parents, valid = random_tree(B, 12, "random", gen)
-        argmax = torch.randint(0, 3, (B, 12), generator=gen)
-        path = greedy_accept_reference(tokens, parents, valid, argmax, max_depth=P - 1).path
-        slots = torch.randperm(4, generator=gen)[:B]
-        base_lens = torch.randint(0, 16, (B,), generator=gen)
-        a, stacked = _caches(gen, torch.float16)
-        b, stacked_b = [t.clone() for t in a], stacked.clone()
-        compact_kv_reference(a, stacked, slots, base_lens, path)
-        compact_kv(b, stacked_b, slots, base_lens, path, impl="triton")
-        assert all(torch.equal(x, y) for x, y in zip(a + [stacked], b + [stacked_b]))
+    check_compact_kv_random_paths(lambda *args: compact_kv(*args, impl="triton"), seed=1, rounds=5,
+                                  dtype=torch.float16)
 
 
 def test_compact_kv_rejects_bad_input():
