@@ -93,11 +93,7 @@ def _read_records(path: Path, policy: ErrorPolicy) -> Iterator[tuple[object, str
             jsonl = True
     if jsonl:
         index = 0
-        # only \n ends a JSONL record: splitlines() also cuts at U+2028, U+0085 ... that
-        # json.dumps(ensure_ascii=False) leaves raw inside strings
-        for lineno, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
+        for lineno, line in jsonl_lines(text):
             try:
                 yield json.loads(line), f"{path}:{lineno}", index
             except json.JSONDecodeError as err:
@@ -107,6 +103,14 @@ def _read_records(path: Path, policy: ErrorPolicy) -> Iterator[tuple[object, str
         yield from _json_list(text, start, path)
     else:
         raise DataError(f"{path}:1: expected a JSON list, a JSON object or JSON lines")
+
+
+def jsonl_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank JSONL record. Only \n ends a record: splitlines()
+    also cuts at U+2028, U+0085 ... that json.dumps(ensure_ascii=False) leaves raw inside strings."""
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            yield lineno, line
 
 
 def _json_list(text: str, pos: int, path: Path) -> Iterator[tuple[object, str, int]]:

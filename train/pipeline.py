@@ -141,14 +141,14 @@ def _first_replies(prompts: Path, replies: Path, count: int, out: Path) -> None:
     """Write the replies to the first ``count`` prompts, in prompt order (regenerate writes them
     in length order, and the cache may hold replies to later prompts too). Prompts are counted
     as `regenerate` counts them: records without a user turn are not prompts."""
+    from specdec.train.data import jsonl_lines
     from specdec.train.regenerate import first_turn_prompt
 
-    records = [json.loads(line) for line in prompts.read_text(encoding="utf-8").split("\n") if line.strip()]
+    records = [json.loads(line) for _, line in jsonl_lines(prompts.read_text(encoding="utf-8"))]
     ids = [r["id"] for r in records if first_turn_prompt(r["messages"]) is not None][:count]
-    by_id = {}
-    for line in replies.read_text(encoding="utf-8").split("\n"):  # not splitlines: see data.py
-        if line.strip():  # a reply's id is "<prompts file name>/<prompt id>"
-            by_id[json.loads(line)["id"].removeprefix(f"{prompts.name}/")] = line
+    by_id = {}  # a reply's id is "<prompts file name>/<prompt id>"
+    for _, line in jsonl_lines(replies.read_text(encoding="utf-8")):
+        by_id[json.loads(line)["id"].removeprefix(f"{prompts.name}/")] = line
     tmp = out.with_suffix(".tmp")
     tmp.write_text("".join(by_id[i] + "\n" for i in ids if i in by_id), encoding="utf-8")
     tmp.replace(out)

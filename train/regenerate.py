@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 
-from .data import Conversation, DataError, ErrorPolicy, iter_conversations
+from .data import Conversation, DataError, ErrorPolicy, iter_conversations, jsonl_lines
 
 
 def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
@@ -55,9 +55,7 @@ def done_ids(out: Path) -> set[str]:
                 f.truncate(cut)
             print(f"specdec-data: dropped a half-written last line of {out}", file=sys.stderr)
     ids = set()
-    for lineno, line in enumerate(out.read_text(encoding="utf-8").split("\n"), 1):  # only \n ends a record
-        if not line.strip():
-            continue
+    for lineno, line in jsonl_lines(out.read_text(encoding="utf-8")):
         try:
             ids.add(str(json.loads(line)["id"]))
         except (ValueError, KeyError, TypeError) as err:
