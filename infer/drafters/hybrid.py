@@ -240,12 +240,12 @@ class HybridDrafter:
         if self.pld is not None:
             for slot, root, trie in zip(slot_list, root_list, tries):
                 self._add_retrieval(trie, self.pld.trie(slot, root, budget, source="pld"), "pld")
-        # The gates' regime: how much PLD offers, on average over the batch.
-        regime = regime_of(sum(expected_length(t) for t in tries) / max(len(tries), 1))
+        offered = [expected_length(t) for t in tries]  # what PLD offers each row
+        regime = regime_of(sum(offered) / max(len(offered), 1))  # the gates' regime: the batch mean
         self._step = _TimedStep(regime, set(slot_list), self.clock()) if self.gates else None
         self.steps += 1
         # A trusted copy from the prompt: the datastore would add nodes, not tokens.
-        wants_rest = [self.pld is None or expected_length(t) < REGIME_EDGES[-1] for t in tries]
+        wants_rest = [offer < REGIME_EDGES[-1] for offer in offered]
         if self.rest is not None and any(wants_rest) and self._pays("rest", regime):
             start = self.clock()
             for slot, root, trie, wants in zip(slot_list, root_list, tries, wants_rest):
