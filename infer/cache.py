@@ -9,6 +9,8 @@ index tensors of :class:`StepAccess`.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -63,6 +65,33 @@ class SlotAllocator:
         return len(self.free)
 
 
+def padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Split rows of unequal lengths into groups that each pad little: one padded forward over
+    chunks of 10 and 500 tokens computes 1,000 (measured: a server mix prefilled at 490 tok/s
+    instead of ~1,500), and one attention call over contexts of 100 and 1,400 tokens reads 2,800.
+    Longest first, a row joins the current group while the padded length stays within
+    (1 + max_waste) x the real one. Example: [500, 10, 480, 12] -> [[0, 2], [3, 1]]."""
+    groups: list[list[int]] = []
+    real = 0  # real tokens of the current group; its first row is its longest
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + max_waste) * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
+class ReadGroup(NamedTuple):
+    """Batch rows whose keys are read together: ``rows`` [G] (None: every row, in order), the
+    cache rows (``slots``: a slice when consecutive, else an index tensor), and ``length``, the
+    keys 0 .. length-1 that cover every row of the group."""
+    rows: Tensor | None
+    slots: slice | Tensor
+    length: int
+
+
 class StepAccess:
     """Where one forward writes and reads: B sequences (``slots``), each with ``base_lens[b]``
     committed tokens and up to N new tokens written at ``base_lens[b] + 0..N-1``.
@@ -88,7 +117,8 @@ class StepAccess:
         else:  # a row's span ends after its last valid token
             idx = torch.arange(1, n_new + 1, device=valid.device)
             row_new = (valid * idx).amax(dim=1).tolist()
-        longest = max(b + n for b, n in zip(base_lens, row_new))
+        self.row_ends = [b + n for b, n in zip(base_lens, row_new)]  # keys each row needs
+        longest = max(self.row_ends)
         if longest > cache.max_len:
             raise CacheFullError(f"a sequence would reach {longest} tokens; the cache holds max_len={cache.max_len}")
         self.cache, self.n_new, self.kv_len = cache, n_new, longest
@@ -101,6 +131,7 @@ class StepAccess:
         # Ascending consecutive slots -> a slice view, no copy of the cache rows.
         self._row_slice = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
         self._dense = valid is None and len(set(base_lens)) == 1 and self._row_slice is not None
+        self._groups: list[ReadGroup] | None = None
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """k, v: [B, N, kv_heads, head_dim] for the new tokens of every sequence."""
@@ -125,4 +156,44 @@ class StepAccess:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if self._row_slice is not None:
             return kc[self._row_slice, :, :length], vc[self._row_slice, :, :length]
-        return kc[self.slots, :, :length], vc[self.slots, :, :length]
+        return _gather_rows(kc, self.slots, length), _gather_rows(vc, self.slots, length)
+
+    def read_groups(self, max_waste: float = 0.25) -> list[ReadGroup]:
+        """The batch split by how many keys each row needs, so that attention reads each row's
+        context rather than the longest one's (SDPA on CPU reads every key it is given, masked
+        or not: a batch of Spec-Bench contexts padded to its longest reads 2-4x what it needs).
+        One group (every row) when the rows need about the same length, or when the rows sit
+        in consecutive slots and one view of them reads less than the split would copy."""
+        if self._groups is None:
+            split = padding_groups(self.row_ends, max_waste)
+            groups = [self._group(sorted(rows)) for rows in split] if len(split) > 1 else []
+            # Consecutive slots read the whole batch through a view; a gathered group costs its
+            # copy and then the read, so the split pays only when it reads under half the keys.
+            copied = sum(len(g.rows) * g.length * (1 if isinstance(g.slots, slice) else 2) for g in groups)
+            if not groups or (self._row_slice is not None and len(self.slots_list) * self.kv_len <= copied):
+                groups = [ReadGroup(None, self._row_slice if self._row_slice is not None else self.slots,
+                                    self.kv_len)]
+            self._groups = groups
+        return self._groups
+
+    def _group(self, rows: list[int]) -> ReadGroup:
+        slots = [self.slots_list[r] for r in rows]
+        first = slots[0]
+        consecutive = slots == list(range(first, first + len(slots)))
+        dev = self.slots.device
+        return ReadGroup(torch.tensor(rows, dtype=torch.long, device=dev),
+                         slice(first, first + len(slots)) if consecutive else torch.tensor(slots, device=dev),
+                         max(self.row_ends[r] for r in rows))
+
+    def read_group(self, layer: int, group: ReadGroup) -> tuple[Tensor, Tensor]:
+        """Keys and values of one ``read_groups`` group: [G, kv_heads, group.length, head_dim]."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if isinstance(group.slots, slice):
+            return kc[group.slots, :, :group.length], vc[group.slots, :, :group.length]
+        return _gather_rows(kc, group.slots, group.length), _gather_rows(vc, group.slots, group.length)
+
+
+def _gather_rows(cache: Tensor, slots: Tensor, length: int) -> Tensor:
+    """cache[slots, :, :length] as a copy; index_select measured 3.5-7x faster than advanced
+    indexing for this (contiguous runs of length x head_dim per row and head)."""
+    return torch.index_select(cache[:, :, :length], 0, slots)

@@ -175,7 +175,7 @@ class LeanCausalLM:
             x = x * self.embed_scale
         self._rope_table(max(access.base_list) + n)  # bounds every position, no device sync
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, N, 1, hd]
-        masks: dict[tuple, Tensor] = {}  # (window, group) -> mask, built once per forward
+        masks: dict[tuple, list | None] = {}  # (window, group) -> per read group, built once per forward
         keep = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
@@ -189,7 +189,9 @@ class LeanCausalLM:
                 # Additive once per forward: SDPA would turn a bool mask into this in every layer
                 # (~9% of a 13-node verification's attention at a 673-token context).
                 additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-                masks[key] = additive.repeat(1, 1, layer.group, 1)                   # [B, 1, g*N, L]
+                additive = additive.repeat(1, 1, layer.group, 1)                     # [B, 1, g*N, L]
+                masks[key] = [additive if g.rows is None else additive[g.rows, :, :, :g.length]
+                              for g in access.read_groups()]
             x = self._layer(i, layer, x, cos, sin, access, masks[key])
         x = self.norm(x)                                                     # [B, N, H] post-norm
         keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output
@@ -198,7 +200,7 @@ class LeanCausalLM:
         aux = torch.cat([keep[i] for i in aux_layers], dim=-1) if aux_layers else None
         return logits, x, aux
 
-    def _layer(self, i: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, access, mask: Tensor) -> Tensor:
+    def _layer(self, i: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, access, masks: list | None) -> Tensor:
         bsz, n, _ = x.shape
         q, k, v = layer.qkv(layer.ln1(x)).split(layer.splits, dim=-1)
         q = q.view(bsz, n, layer.n_heads, layer.head_dim)
@@ -208,18 +210,34 @@ class LeanCausalLM:
             q, k = layer.q_norm(q), layer.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         access.write(i, k, v)
-        keys, values = access.read(i)                                        # [B, kv, L, hd]
         # GQA by folding each kv head's query group into the query axis: head h = kv*g + j reads
         # kv head h // g (HF's repeat_kv), so [B, h, N, hd] -> [B, kv, g*N, hd]. Same maths as
         # enable_gqa, but ~3x faster for bf16 decoding on CPU (one kernel call per kv head).
-        if mask is None:  # a causal prefill from position 0 (see forward)
+        if masks is None:  # a causal prefill from position 0 (see forward)
+            keys, values = access.read(i)                                    # [B, kv, L, hd]
             q = q.transpose(1, 2)                                            # [B, h, N, hd]
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=layer.scaling,
                                                  enable_gqa=layer.group > 1)
         else:
             q = q.transpose(1, 2).reshape(bsz, layer.n_kv, layer.group * n, layer.head_dim)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
+            out = self._grouped_attention(i, layer, q, access, masks)
         out = out.view(bsz, layer.n_heads, n, layer.head_dim).transpose(1, 2).reshape(bsz, n, -1)
         x = x + layer.o(out)
         gate, up = layer.gate_up(layer.ln2(x)).chunk(2, dim=-1)
         return x + layer.down(layer.act(gate) * up)
+
+    @staticmethod
+    def _grouped_attention(i: int, layer: _Layer, q: Tensor, access, masks: list[Tensor]) -> Tensor:
+        """Masked attention of q [B, kv, g*N, hd], one SDPA call per ``access.read_groups()``
+        group, each over the keys its rows need (batch 32 of Spec-Bench contexts: 3.0 instead of
+        8.0 ms per layer on the 2-core CPU)."""
+        groups = access.read_groups()
+        if len(groups) == 1:
+            keys, values = access.read_group(i, groups[0])
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[0], scale=layer.scaling)
+        out = torch.empty_like(q)
+        for group, mask in zip(groups, masks):
+            keys, values = access.read_group(i, group)
+            out[group.rows] = F.scaled_dot_product_attention(q[group.rows], keys, values, attn_mask=mask,
+                                                             scale=layer.scaling)
+        return out

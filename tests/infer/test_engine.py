@@ -10,8 +10,9 @@ import torch
 
 from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget
+from specdec.infer.cache import padding_groups
 from specdec.infer.drafters import DrafterError, available_methods, make_drafter
-from specdec.infer.engine import Engine, padding_groups
+from specdec.infer.engine import Engine
 from specdec.infer.requests import SamplingParams
 
 BUDGET = TreeBudget(max_nodes=10, max_depth=5, topk=3)

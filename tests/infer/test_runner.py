@@ -8,7 +8,7 @@ import torch
 
 from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree
-from specdec.infer.cache import CacheFullError
+from specdec.infer.cache import CacheFullError, StepAccess
 from specdec.infer.runner import TargetRunner
 from specdec.infer.target import Target
 from specdec.infer.tiny import tiny_tokenizer
@@ -130,6 +130,52 @@ def test_tree_verification_equals_sequential_decoding(tiny_target, impl):
                 step_logits, _ = runner.prefill(2, [int(tree.tokens[0, node])], start=len(prompt) + j)
                 torch.testing.assert_close(logits[b, node], step_logits, atol=ATOL, rtol=1e-4)
                 assert int(logits[b, node].argmax()) == int(step_logits.argmax())
+
+
+def test_read_groups_split_the_batch_by_context_length(tiny_target):
+    runner = TargetRunner(tiny_target, max_batch=6, max_len=64)
+    access = StepAccess(runner.cache, [4, 0, 1, 5], [40, 3, 38, 4], 2)
+    groups = access.read_groups()
+    assert [(g.rows.tolist(), g.length) for g in groups] == [([0, 2], 42), ([1, 3], 6)]
+    assert isinstance(groups[0].slots, torch.Tensor) and groups[0].slots.tolist() == [4, 1]
+    assert groups[1].slots.tolist() == [0, 5]
+    keys, _ = access.read_group(0, groups[0])
+    assert keys.shape[0] == 2 and keys.shape[2] == 42
+    even = StepAccess(runner.cache, [2, 3], [30, 29], 3).read_groups()  # similar lengths: one group
+    assert len(even) == 1 and even[0].rows is None and even[0].slots == slice(2, 4) and even[0].length == 33
+    # Consecutive slots: one view unless the split reads much less (a gathered group is copied first).
+    view = StepAccess(runner.cache, [0, 1, 2, 3], [40, 3, 38, 4], 2).read_groups()
+    assert len(view) == 1 and view[0].slots == slice(0, 4)
+    split = StepAccess(runner.cache, [0, 1, 2, 3, 4], [50, 3, 4, 5, 6], 2).read_groups()
+    assert [(g.rows.tolist(), g.slots, g.length) for g in split] == [([0], slice(0, 1), 52),
+                                                                     ([1, 2, 3, 4], slice(1, 5), 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_length_grouped_attention_equals_one_row_at_a_time(tiny_target, dtype):
+    """A ragged batch in scattered slots (attention split into length groups) scores every tree
+    node as the same row verified alone does."""
+    target = Target(name="tiny", path=None, model=tiny_target.model.to(dtype), tokenizer=tiny_target.tokenizer)
+    try:
+        runner = TargetRunner(target, max_batch=5, max_len=96, impl="lean")
+        alone = TargetRunner(target, max_batch=1, max_len=96, impl="lean")
+        gen = torch.Generator().manual_seed(4)
+        lengths, slots = [50, 4, 45, 6], [3, 0, 4, 1]
+        prompts = [torch.randint(256, (n,), generator=gen) for n in lengths]
+        trees = []
+        for slot, prompt in zip(slots, prompts):
+            logits, _ = runner.prefill(slot, prompt)
+            trees.append(random_tree(gen, int(logits.argmax()), n=5, vocab=256))
+        access = StepAccess(runner.cache, slots, lengths, 5)
+        assert len(access.read_groups()) == 2
+        batch_logits, _ = runner.verify(slots, stack_trees(trees), lengths)
+        for b, (prompt, tree) in enumerate(zip(prompts, trees)):
+            alone.prefill(0, prompt)
+            one, _ = alone.verify([0], tree, [len(prompt)])
+            tol = dict(atol=ATOL, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+            torch.testing.assert_close(batch_logits[b], one[0], **tol)
+    finally:
+        tiny_target.model.float()
 
 
 @pytest.mark.parametrize("impl", ["lean", "generic"])
