@@ -176,9 +176,11 @@ class GoodputPolicy(Policy):
         self.explore_every = explore_every  # a plain-only plan never learns what speculation costs
         # Explore in runs of 3 (the first step after a switch is not sampled): every 8 steps of a
         # batch-size bucket until each arm has 4 samples (a 64-token request is ~50 steps), then
-        # every 32, the arms behind in turn, a clearly slower one 4x rarer: ~3-9% of steps.
+        # every 32, the arms behind in turn, one more than 10% slower 4x rarer: ~3-9% of steps.
+        # (With 20%, a model plan ~15% behind plain at batch 4-32 was still replayed every 32
+        # steps, each replay paying two switches too; goodput ran 6-12% under plain there.)
         self.gate = ThroughputGate(decay=0.95, min_samples=4, explore=gate_explore, run=3, arms=self.ARMS,
-                                   warmup_explore=max(gate_explore // 4, 4)) if gate else None
+                                   clear=0.9, warmup_explore=max(gate_explore // 4, 4)) if gate else None
         self.current: dict = {}
         self._streak = 0
         self._plain_steps = 0
