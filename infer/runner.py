@@ -36,9 +36,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
     return DTYPES[dtype]
 
 
-INVARIANT_PREFILL_BLOCK = 256  # prompt tokens per forward when attention is batch-invariant
-
-
 class TargetRunner:
     """Runs a frozen target over a preallocated ``[max_batch, max_len]`` KV cache.
 
@@ -95,8 +92,6 @@ class TargetRunner:
         if min(lens, default=0) < 1:
             raise ValueError("prefill needs at least one token per sequence")
         starts = [0] * len(slots) if starts is None else list(starts)
-        if getattr(self.backend, "batch_invariant", False) and max(lens) > INVARIANT_PREFILL_BLOCK:
-            return self._prefill_in_blocks(slots, ids_list, starts)
         n, dev = max(lens), self.device
         tokens = torch.zeros(len(slots), n, dtype=torch.long, device=dev)   # [B, N]
         for b, ids in enumerate(ids_list):
@@ -113,21 +108,6 @@ class TargetRunner:
         feats = [self._features(hidden[b, :lens[b]], None if aux is None else aux[b, :lens[b]])
                  for b in range(len(slots))]
         return logits, feats
-
-    def _prefill_in_blocks(self, slots, ids_list, starts, block: int = INVARIANT_PREFILL_BLOCK):
-        """Batch-invariant attention scores every query against every key it is given: a
-        1,000-token prompt in one forward took 2x SDPA's time. Blocks of ``block`` tokens skip most
-        of the masked upper triangle and give the same bits (that is what batch-invariant means)."""
-        logits, feats = [None] * len(slots), [[] for _ in slots]
-        for k in range(0, max(int(ids.numel()) for ids in ids_list), block):
-            rows = [b for b, ids in enumerate(ids_list) if ids.numel() > k]
-            lg, ft = self.prefill_batch([slots[b] for b in rows], [ids_list[b][k:k + block] for b in rows],
-                                        [starts[b] + k for b in rows])
-            for j, b in enumerate(rows):
-                logits[b] = lg[j]
-                feats[b].append(ft[j])
-        return torch.stack(logits), [{name: torch.cat([f[name] for f in parts]) for name in parts[0]}
-                                     for parts in feats]
 
     # ------------------------------------------------------------------ verify / commit
     def verify(self, slots, tree: DraftTree, base_lens) -> tuple[Tensor, dict[str, Tensor]]:

@@ -178,26 +178,6 @@ def test_length_grouped_attention_equals_one_row_at_a_time(tiny_target, dtype):
         tiny_target.model.float()
 
 
-def test_batch_invariant_prefill_blocks_give_the_same_bits(tiny_target_dir):
-    """bf16, batch-invariant: a 300-token prompt (prefilled in blocks of 256) and the same prompt
-    fed as chunks of 70 give bit-identical logits, features and cache."""
-    from specdec.infer.runner import INVARIANT_PREFILL_BLOCK
-    from specdec.infer.target import load_target
-
-    target = load_target(str(tiny_target_dir), dtype=torch.bfloat16)
-    spec = FeatureSpec(hidden=True, aux_layers=(1,))
-    whole = TargetRunner(target, max_batch=1, max_len=320, feature_spec=spec, batch_invariant=True)
-    chunked = TargetRunner(target, max_batch=1, max_len=320, feature_spec=spec, batch_invariant=True)
-    prompt = torch.randint(256, (300,), generator=torch.Generator().manual_seed(5))
-    assert len(prompt) > INVARIANT_PREFILL_BLOCK
-    logits, feats = whole.prefill(0, prompt)
-    parts = [chunked.prefill(0, prompt[k:k + 70], start=k) for k in range(0, 300, 70)]
-    assert torch.equal(logits, parts[-1][0])
-    for name in ("hidden", "aux"):
-        assert torch.equal(feats[name], torch.cat([f[name] for _, f in parts]))
-    assert torch.equal(whole.cache.k[0][0, :, :300], chunked.cache.k[0][0, :, :300])
-
-
 @pytest.mark.parametrize("impl", ["lean", "generic"])
 def test_commit_leaves_the_cache_of_a_plain_run(tiny_target, impl):
     spec = FeatureSpec(hidden=True, aux_layers=(2,))
