@@ -20,13 +20,11 @@ class LLM:
     ``target``: a name or folder for ``load_target`` or an already loaded ``Target``.
     ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
     ``dtype`` None: an already loaded target runs in its own dtype, a name loads in float32.
-    ``batch_invariant`` True: bf16 output bit-identical to plain decoding's, a little slower
-    (None: ``SPECDEC_BATCH_INVARIANT``; see ``models.llama.eager_attention``).
     """
 
     def __init__(self, target="smollm2-135m", method: str = "plain", head=None, dtype: str | None = None,
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
-                 prefill_chunk: int | None = None, batch_invariant: bool | None = None, **drafter_opts):
+                 prefill_chunk: int | None = None, **drafter_opts):
         from specdec.infer.drafters import make_drafter
         from specdec.infer.engine import Engine
         from specdec.infer.target import Target, load_target
@@ -37,7 +35,7 @@ class LLM:
         self.method = method
         self.drafter = make_drafter(method, self.target, head=head, **drafter_opts)
         self.engine = Engine(self.target, self.drafter, max_batch=max_batch, max_len=max_len, dtype=dtype,
-                             device=device, prefill_chunk=prefill_chunk, batch_invariant=batch_invariant)
+                             device=device, prefill_chunk=prefill_chunk)
         self._next_id = 0
 
     @property

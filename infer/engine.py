@@ -46,16 +46,14 @@ class Engine:
     """``Engine(target, drafter=None, max_batch, max_len, dtype, device, prefill_chunk)``.
 
     prefill_chunk: at most this many prompt tokens are prefilled per step (None: whole prompts),
-    so a long new prompt does not stall the running sequences. batch_invariant: see TargetRunner.
+    so a long new prompt does not stall the running sequences.
     """
 
     def __init__(self, target, drafter=None, max_batch: int = 8, max_len: int = 2048, dtype=None,
-                 device=None, prefill_chunk: int | None = None, impl: str = "auto",
-                 batch_invariant: bool | None = None):
+                 device=None, prefill_chunk: int | None = None, impl: str = "auto"):
         self.target, self.drafter = target, drafter
         spec = drafter.feature_spec if drafter is not None else None
-        self.runner = TargetRunner(target, max_batch, max_len, dtype, device, feature_spec=spec, impl=impl,
-                                   batch_invariant=batch_invariant)
+        self.runner = TargetRunner(target, max_batch, max_len, dtype, device, feature_spec=spec, impl=impl)
         self.device, self.max_len = self.runner.device, max_len
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")

@@ -34,8 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt in the target's chat template (default on)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache length per sequence")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="batch-invariant attention: bf16 output equal to plain greedy bit for bit (a little slower)")
     p.add_argument("--budget", default=None, metavar="NODES,DEPTH,TOPK",
                    help="draft tree budget (default: the drafter's own)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
@@ -75,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
         llm = LLM(target=args.target, method=args.method, head=args.head, dtype=args.dtype,
                   device=args.device, max_batch=max(1, len(args.prompt)) if args.json else 1,
-                  max_len=args.max_len, batch_invariant=args.batch_invariant or None, **parse_opts(args.opt))
+                  max_len=args.max_len, **parse_opts(args.opt))
     except (ValueError, OSError, RuntimeError) as err:
         print(f"specdec-generate: {err}", file=sys.stderr)
         return 2

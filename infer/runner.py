@@ -41,16 +41,15 @@ class TargetRunner:
 
     ``impl``: "auto" (lean fused path when the architecture allows, else generic), "lean" or
     "generic". ``feature_spec`` (settable later) says which features each call returns.
-    ``batch_invariant``: bit-identical logits whatever the batch and tree (``models.llama``).
     """
 
     def __init__(self, target, max_batch: int = 8, max_len: int = 2048, dtype=None, device=None,
-                 feature_spec=None, impl: str = "auto", batch_invariant: bool | None = None):
+                 feature_spec=None, impl: str = "auto"):
         param = next(target.model.parameters())
         self.target = target
         self.dtype = resolve_dtype(dtype, param.dtype)
         self.device = torch.device(device) if device is not None else param.device
-        self.backend = build_backend(target.model, self.dtype, self.device, impl, batch_invariant)
+        self.backend = build_backend(target.model, self.dtype, self.device, impl)
         self.cache = KVCache(self.backend.kv_shapes, max_batch, max_len, self.dtype, self.device)
         self.max_batch, self.max_len = max_batch, max_len
         self.feature_spec = feature_spec

@@ -46,9 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="target dtype for every method, HF included (default: %(default)s)")
     p.add_argument("--runs", type=int, default=1, help="timed passes; >1 adds *_std fields (default: 1)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="batch-invariant attention for every specdec method: bf16 outputs equal plain "
-                        "greedy bit for bit, so methods are timed on the same text (a little slower)")
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="output folder")
@@ -80,7 +77,6 @@ def run(args):
     import torch
 
     from specdec.infer.bench import report, specbench
-    from specdec.infer.models.llama import batch_invariant_default
     from specdec.infer.target import load_target
 
     if args.max_new_tokens < 1:
@@ -93,15 +89,13 @@ def run(args):
     questions = specbench.load_questions(args.questions, cats, args.limit)
     target = load_target(args.target, dtype=args.dtype, device=device)
     answers = specbench.run_benchmark(target, methods, questions, args.max_new_tokens, args.runs,
-                                      device, progress=False if args.no_progress else None,
-                                      batch_invariant=args.batch_invariant or None)
+                                      device, progress=False if args.no_progress else None)
     settings = {
         "questions": str(args.questions or specbench.DEFAULT_QUESTIONS),
         "categories": list(dict.fromkeys(str(q.get("category", "default")) for q in questions)),
         "limit": args.limit, "n_questions": len(questions),
         "question_ids": [q["question_id"] for q in questions],
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "runs": args.runs,
-        "batch_invariant": bool(args.batch_invariant) or batch_invariant_default(),
         "methods": {s.label: {"name": s.name, "value": s.value} for s in methods},
         "batch_size": 1, "temperature": 0.0, "warmup": "first question once, untimed, per method",
     }

@@ -61,8 +61,7 @@ def markdown(data: dict) -> str:
         f"device {mach.get('device')}" + (f" ({mach['gpu']})" if mach.get("gpu") else ""),
         f"- questions: {s['n_questions']} from `{s['questions']}` "
         f"({', '.join(cats)}); max_new_tokens {s['max_new_tokens']}; runs {s['runs']}; "
-        "batch 1, greedy, warm-up on the first question"
-        + ("; batch-invariant attention (outputs bit-identical across methods)" if s.get("batch_invariant") else ""),
+        "batch 1, greedy, warm-up on the first question",
         "- speedup = mean per-question speed (new tokens / wall time, prefill included) over that "
         "of plain decoding in this runtime; vs HF = over HF transformers `generate()`; τ = mean "
         "tokens added per decoding step; identical = outputs equal to plain greedy",

@@ -147,11 +147,10 @@ class Turn:
 class EngineGenerator:
     """A specdec method through ``specdec.infer.api.LLM`` (batch 1, greedy)."""
 
-    def __init__(self, target, spec: MethodSpec, max_len: int, device: str, batch_invariant: bool | None = None):
+    def __init__(self, target, spec: MethodSpec, max_len: int, device: str):
         from specdec.infer.api import LLM
 
-        self.llm = LLM(target, max_batch=1, max_len=max_len, device=device, batch_invariant=batch_invariant,
-                       **spec.llm_kwargs())
+        self.llm = LLM(target, max_batch=1, max_len=max_len, device=device, **spec.llm_kwargs())
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
         from specdec.infer.api import SamplingParams
@@ -280,10 +279,8 @@ def machine_info(device: str) -> dict:
 
 
 def run_benchmark(target, methods: list[MethodSpec], questions: list[dict], max_new_tokens: int = 256,
-                  runs: int = 1, device: str = "cpu", progress: bool | None = None,
-                  batch_invariant: bool | None = None) -> dict[str, list[list[Answer]]]:
-    """answers[label][run][question] for every method (hf and plain included); batch_invariant
-    goes to every specdec method's runtime (``LLM``)."""
+                  runs: int = 1, device: str = "cpu", progress: bool | None = None) -> dict[str, list[list[Answer]]]:
+    """answers[label][run][question] for every method (hf and plain included)."""
     from tqdm.auto import tqdm
 
     if runs < 1:
@@ -296,8 +293,7 @@ def run_benchmark(target, methods: list[MethodSpec], questions: list[dict], max_
     try:
         for spec in methods:
             bar.set_postfix_str(spec.label)
-            generate = (HFGenerator(target) if spec.name == HF
-                        else EngineGenerator(target, spec, max_len, device, batch_invariant))
+            generate = HFGenerator(target) if spec.name == HF else EngineGenerator(target, spec, max_len, device)
             answer_question(generate, tok, questions[0], max_new_tokens)  # warm-up, untimed
             bar.update(1)
             answers[spec.label] = []

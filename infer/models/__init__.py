@@ -16,9 +16,7 @@ import torch
 from torch import Tensor
 
 
-def build_backend(model, dtype: torch.dtype, device, impl: str = "auto", batch_invariant: bool | None = None):
-    """batch_invariant: the lean path's batch-invariant attention (``llama.LeanCausalLM``); the
-    generic path runs HF's own modules and ignores it."""
+def build_backend(model, dtype: torch.dtype, device, impl: str = "auto"):
     from . import generic, llama
 
     if impl not in ("auto", "lean", "generic"):
@@ -27,7 +25,7 @@ def build_backend(model, dtype: torch.dtype, device, impl: str = "auto", batch_i
     if impl == "lean" and why_not:
         raise ValueError(f"the lean path cannot run this target: {why_not}")
     if impl == "lean" or (impl == "auto" and not why_not):
-        return llama.LeanCausalLM(model, dtype, device, batch_invariant)
+        return llama.LeanCausalLM(model, dtype, device)
     return generic.GenericCausalLM(model, dtype, device)
 
 

@@ -18,8 +18,6 @@ computes exactly what HF computes:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -132,34 +130,12 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def batch_invariant_default() -> bool:
-    """``SPECDEC_BATCH_INVARIANT=1`` turns batch-invariant attention on where no option says."""
-    return os.environ.get("SPECDEC_BATCH_INVARIANT", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def eager_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """HF's eager attention: scores in the input dtype, softmax in float32, an additive mask.
-
-    Unlike CPU SDPA (whose blocking follows the number of queries and keys in the call), it gives
-    a query row the same bits whatever else is in the call: other sequences, other tree nodes,
-    more masked keys. With the row-invariant oneDNN linears that makes bf16 decoding
-    batch-invariant: speculative output equals plain output bit for bit (checked on the 2-core CPU)."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale + mask
-    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), values)
-
-
 class LeanCausalLM:
-    """The fused forward over a static cache; see the package docstring for the interface.
+    """The fused forward over a static cache; see the package docstring for the interface."""
 
-    batch_invariant: attention by ``eager_attention`` everywhere (prefill included) instead of
-    SDPA, so that a token's logits do not depend on the batch, the tree or the prefill chunking
-    around it: bf16 greedy output then equals plain greedy output exactly, at ~10-20% of the speed
-    at batch 1 (None: ``SPECDEC_BATCH_INVARIANT``). float32 is exact without it."""
-
-    def __init__(self, model, dtype: torch.dtype, device, batch_invariant: bool | None = None):
+    def __init__(self, model, dtype: torch.dtype, device):
         cfg, base = model.config, model.model
         self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.batch_invariant = batch_invariant_default() if batch_invariant is None else bool(batch_invariant)
         unit_offset = cfg.model_type == "gemma"
         emb = base.embed_tokens
         self.embed = _cast(emb.weight, dtype, device)                                # [V, H]
@@ -193,8 +169,7 @@ class LeanCausalLM:
         at position 0 without padding, attention needs no mask and takes SDPA's causal kernel
         (a 1,000-token prompt: 12 instead of 20 ms per layer on the 2-core CPU)."""
         bsz, n = tokens.shape
-        plain_causal = (causal and access.valid is None and max(access.base_list) == 0
-                        and not self.batch_invariant)
+        plain_causal = causal and access.valid is None and max(access.base_list) == 0
         x = F.embedding(tokens, self.embed)                                  # [B, N, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -251,21 +226,18 @@ class LeanCausalLM:
         gate, up = layer.gate_up(layer.ln2(x)).chunk(2, dim=-1)
         return x + layer.down(layer.act(gate) * up)
 
-    def _grouped_attention(self, i: int, layer: _Layer, q: Tensor, access, masks: list[Tensor]) -> Tensor:
-        """Masked attention of q [B, kv, g*N, hd], one call per ``access.read_groups()`` group,
-        each over the keys its rows need (batch 32 of Spec-Bench contexts: 3.0 instead of 8.0 ms
-        per layer on the 2-core CPU)."""
-        attend = eager_attention if self.batch_invariant else _sdpa
+    @staticmethod
+    def _grouped_attention(i: int, layer: _Layer, q: Tensor, access, masks: list[Tensor]) -> Tensor:
+        """Masked attention of q [B, kv, g*N, hd], one SDPA call per ``access.read_groups()``
+        group, each over the keys its rows need (batch 32 of Spec-Bench contexts: 3.0 instead of
+        8.0 ms per layer on the 2-core CPU)."""
         groups = access.read_groups()
         if len(groups) == 1:
             keys, values = access.read_group(i, groups[0])
-            return attend(q, keys, values, masks[0], layer.scaling)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[0], scale=layer.scaling)
         out = torch.empty_like(q)
         for group, mask in zip(groups, masks):
             keys, values = access.read_group(i, group)
-            out[group.rows] = attend(q[group.rows], keys, values, mask, layer.scaling)
+            out[group.rows] = F.scaled_dot_product_attention(q[group.rows], keys, values, attn_mask=mask,
+                                                             scale=layer.scaling)
         return out
-
-
-def _sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)

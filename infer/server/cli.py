@@ -29,8 +29,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
               cost_profile: str | None = None, max_queue: int = 256, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None,
               default_max_tokens: int = 256,
-              prefill_chunk: int | None = 512, drafter_opts: dict | None = None,
-              batch_invariant: bool | None = None):
+              prefill_chunk: int | None = 512, drafter_opts: dict | None = None):
     """Engine + controller + scheduler + FastAPI app for ``target`` (a Target or a name).
 
     The budget grid (``spec_nodes`` / ``spec_depth`` / ``spec_topk``) defaults to the drafter's
@@ -55,7 +54,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
         if drafter is not None:  # lets the controller read each tree's confidence (its scores)
             drafter = ConfidenceTap(drafter)
         return Engine(target, drafter, max_batch=max_batch, max_len=max_len, dtype=dtype, device=device,
-                      prefill_chunk=prefill_chunk, batch_invariant=batch_invariant)
+                      prefill_chunk=prefill_chunk)
 
     torch_thread = TorchThread()  # every torch call on one thread (see TorchThread)
     engine = torch_thread.call(build_engine)
@@ -137,9 +136,6 @@ def parse_args(argv=None):
     p.add_argument("--spec-budget", type=int, help="nodes for always/threshold (default: the grid's largest)")
     p.add_argument("--spec-disable-batch-size", type=int, default=8, help="threshold: plain at this batch size")
     p.add_argument("--cost-profile", help="JSON step-cost model: loaded if present, saved on exit")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="batch-invariant attention: a request's bf16 output does not depend on the batch "
-                        "it shares or on speculation (a little slower)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -178,7 +174,7 @@ def main(argv=None) -> int:
                         max_queue=args.max_queue, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         default_max_tokens=args.default_max_tokens,
-                        prefill_chunk=args.prefill_chunk, batch_invariant=args.batch_invariant or None)
+                        prefill_chunk=args.prefill_chunk)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"specdec-serve: {err}", file=sys.stderr)
         return 2
