@@ -152,30 +152,29 @@ def test_read_groups_split_the_batch_by_context_length(tiny_target):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_length_grouped_attention_equals_one_row_at_a_time(tiny_target, dtype):
+def test_length_grouped_attention_equals_one_row_at_a_time(tiny_target_dir, dtype):
     """A ragged batch in scattered slots (attention split into length groups) scores every tree
     node as the same row verified alone does."""
-    target = Target(name="tiny", path=None, model=tiny_target.model.to(dtype), tokenizer=tiny_target.tokenizer)
-    try:
-        runner = TargetRunner(target, max_batch=5, max_len=96, impl="lean")
-        alone = TargetRunner(target, max_batch=1, max_len=96, impl="lean")
-        gen = torch.Generator().manual_seed(4)
-        lengths, slots = [50, 4, 45, 6], [3, 0, 4, 1]
-        prompts = [torch.randint(256, (n,), generator=gen) for n in lengths]
-        trees = []
-        for slot, prompt in zip(slots, prompts):
-            logits, _ = runner.prefill(slot, prompt)
-            trees.append(random_tree(gen, int(logits.argmax()), n=5, vocab=256))
-        access = StepAccess(runner.cache, slots, lengths, 5)
-        assert len(access.read_groups()) == 2
-        batch_logits, _ = runner.verify(slots, stack_trees(trees), lengths)
-        for b, (prompt, tree) in enumerate(zip(prompts, trees)):
-            alone.prefill(0, prompt)
-            one, _ = alone.verify([0], tree, [len(prompt)])
-            tol = dict(atol=ATOL, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
-            torch.testing.assert_close(batch_logits[b], one[0], **tol)
-    finally:
-        tiny_target.model.float()
+    from specdec.infer.target import load_target
+
+    target = load_target(str(tiny_target_dir), dtype=dtype)  # its own copy: the shared fixture stays fp32
+    runner = TargetRunner(target, max_batch=5, max_len=96, impl="lean")
+    alone = TargetRunner(target, max_batch=1, max_len=96, impl="lean")
+    gen = torch.Generator().manual_seed(4)
+    lengths, slots = [50, 4, 45, 6], [3, 0, 4, 1]
+    prompts = [torch.randint(256, (n,), generator=gen) for n in lengths]
+    trees = []
+    for slot, prompt in zip(slots, prompts):
+        logits, _ = runner.prefill(slot, prompt)
+        trees.append(random_tree(gen, int(logits.argmax()), n=5, vocab=256))
+    access = StepAccess(runner.cache, slots, lengths, 5)
+    assert len(access.read_groups()) == 2
+    batch_logits, _ = runner.verify(slots, stack_trees(trees), lengths)
+    tol = dict(atol=ATOL, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    for b, (prompt, tree) in enumerate(zip(prompts, trees)):
+        alone.prefill(0, prompt)
+        one, _ = alone.verify([0], tree, [len(prompt)])
+        torch.testing.assert_close(batch_logits[b], one[0], **tol)
 
 
 @pytest.mark.parametrize("impl", ["lean", "generic"])
