@@ -127,9 +127,7 @@ class StepAccess:
         self.base_lens = torch.tensor(base_lens, dtype=torch.long, device=dev)  # [B]
         self.write_pos = self.base_lens[:, None] + torch.arange(n_new, device=dev)  # [B, N]
         self.valid = None if valid is None else valid.to(dev)
-        first = slots[0]
-        # Ascending consecutive slots -> a slice view, no copy of the cache rows.
-        self._row_slice = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
+        self._row_slice = _consecutive(self.slots_list)  # a view of the cache rows, no copy
         self._dense = valid is None and len(set(base_lens)) == 1 and self._row_slice is not None
         self._groups: list[ReadGroup] | None = None
 
@@ -152,11 +150,11 @@ class StepAccess:
     def read(self, layer: int, length: int | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values of positions ``0 .. length-1`` (default: through the longest row's new
         tokens), each [B, kv_heads, length, head_dim]."""
-        length = self.kv_len if length is None else length
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if self._row_slice is not None:
-            return kc[self._row_slice, :, :length], vc[self._row_slice, :, :length]
-        return _gather_rows(kc, self.slots, length), _gather_rows(vc, self.slots, length)
+        return self.read_group(layer, self._whole(self.kv_len if length is None else length))
+
+    def _whole(self, length: int) -> ReadGroup:
+        """Every row, keys 0 .. length-1."""
+        return ReadGroup(None, self._row_slice if self._row_slice is not None else self.slots, length)
 
     def read_groups(self, max_waste: float = 0.25) -> list[ReadGroup]:
         """The batch split by how many keys each row needs, so that attention reads each row's
@@ -171,18 +169,16 @@ class StepAccess:
             # copy and then the read, so the split pays only when it reads under half the keys.
             copied = sum(len(g.rows) * g.length * (1 if isinstance(g.slots, slice) else 2) for g in groups)
             if not groups or (self._row_slice is not None and len(self.slots_list) * self.kv_len <= copied):
-                groups = [ReadGroup(None, self._row_slice if self._row_slice is not None else self.slots,
-                                    self.kv_len)]
+                groups = [self._whole(self.kv_len)]
             self._groups = groups
         return self._groups
 
     def _group(self, rows: list[int]) -> ReadGroup:
         slots = [self.slots_list[r] for r in rows]
-        first = slots[0]
-        consecutive = slots == list(range(first, first + len(slots)))
         dev = self.slots.device
+        view = _consecutive(slots)
         return ReadGroup(torch.tensor(rows, dtype=torch.long, device=dev),
-                         slice(first, first + len(slots)) if consecutive else torch.tensor(slots, device=dev),
+                         view if view is not None else torch.tensor(slots, device=dev),
                          max(self.row_ends[r] for r in rows))
 
     def read_group(self, layer: int, group: ReadGroup) -> tuple[Tensor, Tensor]:
@@ -191,6 +187,12 @@ class StepAccess:
         if isinstance(group.slots, slice):
             return kc[group.slots, :, :group.length], vc[group.slots, :, :group.length]
         return _gather_rows(kc, group.slots, group.length), _gather_rows(vc, group.slots, group.length)
+
+
+def _consecutive(slots: list[int]) -> slice | None:
+    """The slice of ascending consecutive slots (read as a view of the cache), else None."""
+    first = slots[0]
+    return slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
 
 
 def _gather_rows(cache: Tensor, slots: Tensor, length: int) -> Tensor:
