@@ -166,10 +166,12 @@ class LeanCausalLM:
     def forward(self, tokens: Tensor, positions: Tensor, access, tree_mask: Tensor,
                 aux_layers: tuple[int, ...] = (), logits_rows: Tensor | None = None, causal: bool = False):
         """causal: tree_mask is the plain causal chain (a prefill); when, besides, every row starts
-        at position 0 without padding, attention needs no mask and takes SDPA's causal kernel
-        (a 1,000-token prompt: 12 instead of 20 ms per layer on the 2-core CPU)."""
+        at position 0, attention needs no mask and takes SDPA's causal kernel (a 1,000-token
+        prompt: 12 instead of 20 ms per layer on the 2-core CPU). Right padding does not stop it:
+        a real token never sees the later padding columns under the causal rule, and what the
+        padding tokens compute is dropped (32 Spec-Bench prompts in padded groups: 790 -> 830-870 tok/s)."""
         bsz, n = tokens.shape
-        plain_causal = causal and access.valid is None and max(access.base_list) == 0
+        plain_causal = causal and max(access.base_list) == 0
         x = F.embedding(tokens, self.embed)                                  # [B, N, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale

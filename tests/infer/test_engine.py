@@ -217,6 +217,24 @@ def test_chunked_prefill_is_lossless(tiny_target, plain_outputs):
         assert out.token_ids == plain_outputs[rid].token_ids
 
 
+def test_a_prompt_that_fits_one_chunk_is_not_split(tiny_target):
+    """Under a prefill budget, a prompt that fits one step's budget waits for the next step
+    instead of being cut (its rest would need the masked attention path); only a prompt longer
+    than the budget is prefilled in pieces."""
+    engine = Engine(tiny_target, None, max_batch=4, max_len=256, prefill_chunk=10)
+    calls = []
+    prefill = engine.runner.prefill_batch
+    engine.runner.prefill_batch = lambda slots, ids, starts: calls.append(
+        [(len(i), s) for i, s in zip(ids, starts)]) or prefill(slots, ids, starts)
+    prompts = {"a": list(range(3, 9)), "b": list(range(20, 28)), "c": list(range(40, 63))}  # 6, 8, 23
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    # a (6) alone: b (8) would not fit whole; b, then c (23 > 10) fills the rest and goes on
+    assert calls == [[(6, 0)], [(8, 0)], [(2, 0)], [(10, 2)], [(10, 12)], [(1, 22)]]
+
+
 def test_prefill_groups_keep_padding_small(tiny_target, plain_outputs):
     """New prompts of very different lengths are prefilled in separate forwards (one padded
     forward over 10 + 500 tokens would compute 1,000), and the outputs stay exact."""
