@@ -8,11 +8,14 @@ with Spec-Bench prompts through streaming chat completions, and reports
 throughput, TTFT and TPOT percentiles, τ and the mean budget chosen, as
 JSON + Markdown + a PNG of throughput vs concurrency. Every level is bounded
 in request count (``--num-prompts``) and time (``--level-timeout-s``).
+``--rounds R`` repeats each level R times with the policies' servers all up and
+taking turns, and pools the passes (plus each pass's throughput and their std).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import itertools
 import json
@@ -105,7 +108,14 @@ async def one_request(client, base, model, prompt, max_tokens, headers) -> dict:
 
 
 async def run_level(base, model, prompts, concurrency, max_tokens, timeout_s, api_key=None) -> dict:
-    """Closed loop: ``concurrency`` clients each send the next prompt when their last one ends."""
+    """One closed-loop pass (``drive_level``), summarised."""
+    return summarize_level(concurrency, [await drive_level(base, model, prompts, concurrency, max_tokens,
+                                                           timeout_s, api_key)])
+
+
+async def drive_level(base, model, prompts, concurrency, max_tokens, timeout_s, api_key=None):
+    """Closed loop: ``concurrency`` clients each send the next prompt when their last one ends.
+    -> (per-request results, wall seconds)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -127,18 +137,34 @@ async def run_level(base, model, prompts, concurrency, max_tokens, timeout_s, ap
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def summarize_level(concurrency: int, rounds: list[tuple[list[dict], float]]) -> dict:
+    """One level over its rounds (each: the requests' results and the wall time): throughput =
+    all tokens / all wall time, percentiles over every request; with several rounds, each
+    round's throughput and their sample std too (this 2-core machine drifts by 10-20% over
+    minutes, so one short pass per policy can rank two close policies either way)."""
+    results = [r for res, _ in rounds for r in res]
+    wall = sum(w for _, w in rounds)
     ok = [r for r in results if r["ok"]]
     spec = [r["spec"] for r in ok if r.get("spec")]
     steps = sum(s["decode_steps"] for s in spec)
-    return {"concurrency": concurrency, "requests": len(results), "failed": len(results) - len(ok),
-            "wall_s": wall, "output_tokens": sum(r["tokens"] for r in ok),
-            "throughput_tok_s": sum(r["tokens"] for r in ok) / wall if wall > 0 else 0.0,
-            "ttft_s": percentiles([r["ttft"] for r in ok]),
-            "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
-            "tau": sum(r["tokens"] for r in ok if r.get("spec")) / steps if steps else None,
-            "mean_budget": sum(s["mean_budget"] * s["decode_steps"] for s in spec) / steps if steps else None,
-            "errors": sorted({r.get("error", "")[:120] for r in results if not r["ok"]})[:3]}
+    level = {"concurrency": concurrency, "requests": len(results), "failed": len(results) - len(ok),
+             "wall_s": wall, "output_tokens": sum(r["tokens"] for r in ok),
+             "throughput_tok_s": sum(r["tokens"] for r in ok) / wall if wall > 0 else 0.0,
+             "ttft_s": percentiles([r["ttft"] for r in ok]),
+             "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
+             "tau": sum(r["tokens"] for r in ok if r.get("spec")) / steps if steps else None,
+             "mean_budget": sum(s["mean_budget"] * s["decode_steps"] for s in spec) / steps if steps else None,
+             "errors": sorted({r.get("error", "")[:120] for r in results if not r["ok"]})[:3]}
+    if len(rounds) > 1:
+        per = [sum(r["tokens"] for r in res if r["ok"]) / w if w > 0 else 0.0 for res, w in rounds]
+        mean = sum(per) / len(per)
+        level["rounds"] = len(rounds)
+        level["throughput_rounds"] = per
+        level["throughput_std"] = (sum((x - mean) ** 2 for x in per) / (len(per) - 1)) ** 0.5
+    return level
 
 
 def free_port() -> int:
@@ -221,14 +247,18 @@ def write_report(report: dict, out: Path) -> list[Path]:
     paths = [out / "serve_bench.json", out / "serve_bench.md", out / "serve_bench.png"]
     paths[0].write_text(json.dumps(report, indent=1))
     fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    spread = lambda lv: f" ± {lv['throughput_std']:.1f}" if "throughput_std" in lv else ""  # noqa: E731
+    rounds = report.get("rounds", 1)
     lines = [f"# specdec-bench --serve ({report['model']}, max_tokens {report['max_tokens']})", "",
+             *([f"{rounds} rounds per level, the policies taking turns; tok/s over all rounds ± the std of "
+                "the rounds' own", ""] if rounds > 1 else []),
              "| policy | conc | req | fail | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | τ | budget |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, levels in report["runs"].items():
         for lv in levels:
             ms = lambda d, k: None if d[k] is None else 1000 * d[k]  # noqa: E731
             lines.append(f"| {name} | {lv['concurrency']} | {lv['requests']} | {lv['failed']} | "
-                         f"{fmt(lv['throughput_tok_s'])} | {fmt(ms(lv['ttft_s'], 'p50'))} | "
+                         f"{fmt(lv['throughput_tok_s'])}{spread(lv)} | {fmt(ms(lv['ttft_s'], 'p50'))} | "
                          f"{fmt(ms(lv['ttft_s'], 'p99'))} | {fmt(ms(lv['tpot_s'], 'p50'))} | "
                          f"{fmt(ms(lv['tpot_s'], 'p99'))} | {fmt(lv['tau'], '{:.2f}')} | "
                          f"{fmt(lv['mean_budget'], '{:.1f}')} |")
@@ -265,6 +295,9 @@ def parse_args(argv=None):
                    help="requests sent to each server (2 at a time) before the measured levels, not counted: "
                         "a fresh server pays first-time costs (kernel set-up per shape, allocations)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes per level and policy, the policies taking turns (throughput over all passes, "
+                        "plus each pass's and their std)")
     p.add_argument("--level-timeout-s", type=float, default=300.0, help="time bound of one concurrency level")
     p.add_argument("--questions", help="Spec-Bench question.jsonl (default: the shipped one)")
     p.add_argument("--model", help="model name to request (default: the server's first)")
@@ -288,8 +321,8 @@ def main(argv=None) -> int:
             raise BenchError("--warmup takes a count >= 0")
         prompts = load_prompts(args.questions, need + args.warmup)
         warmup, prompts = prompts[need:], prompts[:need]  # warm-up prompts are not measured ones
-        runs: dict[str, list[dict]] = {}
-        servers: dict[str, dict] = {}
+        if args.rounds < 1:
+            raise BenchError("--rounds takes a count >= 1")
         model = args.model
         if base:
             targets = [("endpoint", None)]
@@ -298,40 +331,42 @@ def main(argv=None) -> int:
             bad = [p for _, p in targets if p not in POLICIES]
             if bad:
                 raise BenchError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
-        for name, policy in targets:
-            server = LocalServer(policy, server_args, Path(args.out) / f"server-{policy}.log") if policy else None
-            with server or _Null():
-                url = server.base if server else base
-                model = model or served_model(url, args.api_key)
-                runs[name] = []
+        passes: dict[str, dict[int, list]] = {name: {c: [] for c in levels} for name, _ in targets}
+        with contextlib.ExitStack() as stack:
+            # Every policy's server is up at once and the policies take turns at each level (the
+            # order rotating per round), so a slow spell of the machine hits all of them alike.
+            servers = {name: stack.enter_context(LocalServer(policy, server_args,
+                                                             Path(args.out) / f"server-{policy}.log"))
+                       for name, policy in targets if policy}
+            urls = {name: servers[name].base if name in servers else base for name, _ in targets}
+            for name, _ in targets:
+                model = model or served_model(urls[name], args.api_key)
                 if warmup:
-                    asyncio.run(run_level(url, model, warmup, 2, args.max_tokens, args.level_timeout_s, args.api_key))
-                for c in levels:
-                    n = args.num_prompts or max(4 * c, 16)
-                    res = asyncio.run(run_level(url, model, prompts[:n], c, args.max_tokens,
-                                                args.level_timeout_s, args.api_key))
-                    print(f"{name:>9} c={c:<3} {res['throughput_tok_s']:8.1f} tok/s  "
-                          f"TTFT p50 {res['ttft_s']['p50'] or 0:.3f}s  τ {res['tau'] or 0:.2f}  "
-                          f"failed {res['failed']}", file=sys.stderr)
-                    runs[name].append(res)
-            if server:
-                servers[name] = {"command": server.cmd, "exit_code": server.exit_code, "log": str(server.log_path)}
-        report = {"model": model, "max_tokens": args.max_tokens, "concurrency": levels, "warmup": len(warmup), "runs": runs,
-                  "servers": servers}
+                    asyncio.run(run_level(urls[name], model, warmup, 2, args.max_tokens, args.level_timeout_s,
+                                          args.api_key))
+            for c in levels:
+                n = args.num_prompts or max(4 * c, 16)
+                for r in range(args.rounds):
+                    for name, _ in targets[r % len(targets):] + targets[:r % len(targets)]:
+                        res, wall = asyncio.run(drive_level(urls[name], model, prompts[:n], c, args.max_tokens,
+                                                            args.level_timeout_s, args.api_key))
+                        passes[name][c].append((res, wall))
+                        one = summarize_level(c, [(res, wall)])
+                        print(f"{name:>9} c={c:<3} {one['throughput_tok_s']:8.1f} tok/s  "
+                              f"TTFT p50 {one['ttft_s']['p50'] or 0:.3f}s  τ {one['tau'] or 0:.2f}  "
+                              f"failed {one['failed']}" + (f"  (round {r + 1})" if args.rounds > 1 else ""),
+                              file=sys.stderr)
+        runs = {name: [summarize_level(c, passes[name][c]) for c in levels] for name, _ in targets}
+        servers = {name: {"command": s.cmd, "exit_code": s.exit_code, "log": str(s.log_path)}
+                   for name, s in servers.items()}
+        report = {"model": model, "max_tokens": args.max_tokens, "concurrency": levels, "warmup": len(warmup),
+                  "rounds": args.rounds, "runs": runs, "servers": servers}
         for path in write_report(report, Path(args.out)):
             print(path)
     except (BenchError, ValueError) as err:
         print(f"specdec-bench --serve: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

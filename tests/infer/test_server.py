@@ -280,18 +280,25 @@ def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
                                    for i, c in enumerate(["writing", "math", "qa"])))
     out = tmp_path / "bench"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    assert serve_load.main(["--policies", "goodput", "--concurrency", "1,2", "--num-prompts", "3", "--warmup", "2",
-                            "--max-tokens", "8", "--questions", str(questions), "--out", str(out), "--",
-                            "--target", "tiny-llama", "--method", "pld", "--max-len", "256",
+    assert serve_load.main(["--policies", "plain,goodput", "--concurrency", "1,2", "--num-prompts", "3",
+                            "--warmup", "2", "--rounds", "2", "--max-tokens", "8", "--questions", str(questions),
+                            "--out", str(out), "--", "--target", "tiny-llama", "--method", "pld", "--max-len", "256",
                             "--log-level", "warning"]) == 0
     report = json.loads((out / "serve_bench.json").read_text())
-    assert report["servers"]["goodput"]["exit_code"] == 0
-    levels = report["runs"]["goodput"]
-    assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["failed"] == 0 for lv in levels)
-    assert report["warmup"] == 2 and all(lv["requests"] == 3 for lv in levels)  # warm-up not counted
-    assert all(lv["output_tokens"] > 0 and lv["tau"] >= 1.0 and lv["ttft_s"]["p50"] > 0 for lv in levels)
+    assert report["servers"]["goodput"]["exit_code"] == 0 and report["servers"]["plain"]["exit_code"] == 0
+    for policy in ("plain", "goodput"):
+        levels = report["runs"][policy]
+        assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["failed"] == 0 for lv in levels)
+        # two rounds of 3 requests each; the warm-up is not counted
+        assert report["warmup"] == 2 and all(lv["requests"] == 6 for lv in levels)
+        assert all(lv["output_tokens"] > 0 and lv["tau"] >= 1.0 and lv["ttft_s"]["p50"] > 0 for lv in levels)
+        for lv in levels:  # the pooled rate lies between the rounds' own
+            assert len(lv["throughput_rounds"]) == 2 and lv["throughput_std"] >= 0
+            assert min(lv["throughput_rounds"]) <= lv["throughput_tok_s"] * (1 + 1e-9)
+            assert lv["throughput_tok_s"] <= max(lv["throughput_rounds"]) * (1 + 1e-9)
     assert (out / "serve_bench.png").stat().st_size > 0
-    assert "| goodput | 2 |" in (out / "serve_bench.md").read_text()
+    table = (out / "serve_bench.md").read_text()
+    assert "| goodput | 2 |" in table and "| plain | 1 |" in table and " ± " in table
 
 
 def test_serve_load_against_an_endpoint(server, tmp_path):
