@@ -57,7 +57,9 @@ class ThroughputGate:
         arms = [a for a in self.arms if allowed is None or a in allowed]
         rates = {a: self.rate(regime, a) for a in arms}
         unknown = [a for a in arms if rates[a] is None]
-        if not unknown:
+        if len(arms) == 1:  # nothing to choose or explore
+            arm = arms[0]
+        elif not unknown:
             arm = max(reversed(arms), key=lambda a: rates[a])  # ties: the arm doing more work
             arm = self._explored(n, arm, arms, rates) or arm
         elif default is not None and default in arms:

@@ -212,10 +212,12 @@ def test_goodput_gate_plays_what_measures_fastest(model_says_speculate):
     assert late.count(best) >= 0.9 * len(late) and len(late) - late.count(best) >= 2  # still explores
 
 
-def test_goodput_leaves_the_full_tree_out_of_bigger_batches_once_it_lost():
-    """A full tree measured clearly slower at batch 2 is not tried again at batch 8."""
+@pytest.mark.parametrize("model_speed", [130.0, 60.0])
+def test_goodput_leaves_arms_out_of_bigger_batches_once_they_lost(model_speed):
+    """A full tree measured clearly slower at batch 2 is not tried again at batch 8; nor is the
+    models' plan when it lost clearly too (then batch 8 decodes plainly, without exploring)."""
     ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)))
-    speed = {0: 100.0, 2: 90.0, 8: 40.0}
+    speed = {0: 100.0, 2: model_speed, 8: 40.0}
 
     def run(rids, steps):
         played = []
@@ -228,8 +230,11 @@ def test_goodput_leaves_the_full_tree_out_of_bigger_batches_once_it_lost():
                                         accepted={r: min(nodes, 1) for r in rids}))
         return played
 
-    assert 8 in run(["a", "b"], 100)           # tried (and measured slower) at batch 2
-    assert 8 not in run([f"r{i}" for i in range(8)], 200)
+    small = run(["a", "b"], 100)
+    assert 8 in small and 2 in small         # tried (and measured) at batch 2
+    big = run([f"r{i}" for i in range(8)], 200)
+    assert 8 not in big
+    assert (2 in big) == (model_speed > speed[0])  # the plan won at batch 2: still played at 8
 
 
 def test_cost_follows_the_nodes_a_drafter_really_uses():
