@@ -215,9 +215,9 @@ class GoodputPolicy(Policy):
         g, arms = self.gate, self.ARMS
         for smaller in range(bucket):
             rates = {a: g.rate(smaller, a) for a in self.ARMS}
-            if None not in rates.values():
-                best = max(rates.values())
-                arms = tuple(a for a in arms if a == "plain" or rates[a] >= g.clear * best)
+            known = [r for r in rates.values() if r is not None]  # an arm left out there has none
+            if len(known) > 1:
+                arms = tuple(a for a in arms if a == "plain" or rates[a] is None or rates[a] >= g.clear * max(known))
         return arms
 
     def observe(self, ctl, obs):
