@@ -331,6 +331,8 @@ def main(argv=None) -> int:
             bad = [p for _, p in targets if p not in POLICIES]
             if bad:
                 raise BenchError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+            if len({p for _, p in targets}) != len(targets):
+                raise BenchError(f"policies repeat in {args.policies!r}: each runs once per round (see --rounds)")
         passes: dict[str, dict[int, list]] = {name: {c: [] for c in levels} for name, _ in targets}
         with contextlib.ExitStack() as stack:
             # Every policy's server is up at once and the policies take turns at each level (the

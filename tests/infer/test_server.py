@@ -313,7 +313,7 @@ def test_serve_load_against_an_endpoint(server, tmp_path):
     assert level["requests"] == 2 and level["failed"] == 0
 
 
-def test_serve_load_refuses_non_loopback_endpoints():
+def test_serve_load_refuses_non_loopback_endpoints_and_bad_runs(tmp_path, capsys):
     from specdec.infer.bench.serve_load import BenchError, check_loopback, main
 
     assert check_loopback("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000"
@@ -322,6 +322,12 @@ def test_serve_load_refuses_non_loopback_endpoints():
         with pytest.raises(BenchError):
             check_loopback(url)
     assert main(["--endpoint", "http://192.168.1.5:8000", "--questions", os.devnull]) == 2
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Why?"]}))
+    for bad, why in ((["--policies", "plain,plain"], "repeat"), (["--policies", "fastest"], "unknown policies"),
+                     (["--rounds", "0"], "--rounds")):  # refused before any server starts
+        assert main(bad + ["--questions", str(questions), "--out", str(tmp_path)]) == 2
+        assert why in capsys.readouterr().err
 
 
 def test_torch_thread_runs_every_call_on_one_thread():
