@@ -107,12 +107,6 @@ async def one_request(client, base, model, prompt, max_tokens, headers) -> dict:
             "spec": (usage or {}).get("speculation")}
 
 
-async def run_level(base, model, prompts, concurrency, max_tokens, timeout_s, api_key=None) -> dict:
-    """One closed-loop pass (``drive_level``), summarised."""
-    return summarize_level(concurrency, [await drive_level(base, model, prompts, concurrency, max_tokens,
-                                                           timeout_s, api_key)])
-
-
 async def drive_level(base, model, prompts, concurrency, max_tokens, timeout_s, api_key=None):
     """Closed loop: ``concurrency`` clients each send the next prompt when their last one ends.
     -> (per-request results, wall seconds)."""
@@ -344,8 +338,8 @@ def main(argv=None) -> int:
             for name, _ in targets:
                 model = model or served_model(urls[name], args.api_key)
                 if warmup:
-                    asyncio.run(run_level(urls[name], model, warmup, 2, args.max_tokens, args.level_timeout_s,
-                                          args.api_key))
+                    asyncio.run(drive_level(urls[name], model, warmup, 2, args.max_tokens, args.level_timeout_s,
+                                            args.api_key))
             for c in levels:
                 n = args.num_prompts or max(4 * c, 16)
                 for r in range(args.rounds):

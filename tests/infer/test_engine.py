@@ -217,15 +217,21 @@ def test_chunked_prefill_is_lossless(tiny_target, plain_outputs):
         assert out.token_ids == plain_outputs[rid].token_ids
 
 
+def record_prefills(engine: Engine) -> list:
+    """Wrap the engine's prefill forwards; -> a list that gets, per forward, [(tokens, start)] per row."""
+    calls = []
+    prefill = engine.runner.prefill_batch
+    engine.runner.prefill_batch = lambda slots, ids, starts: calls.append(
+        [(len(i), s) for i, s in zip(ids, starts)]) or prefill(slots, ids, starts)
+    return calls
+
+
 def test_a_prompt_that_fits_one_chunk_is_not_split(tiny_target):
     """Under a prefill budget, a prompt that fits one step's budget waits for the next step
     instead of being cut (its rest would need the masked attention path); only a prompt longer
     than the budget is prefilled in pieces."""
     engine = Engine(tiny_target, None, max_batch=4, max_len=256, prefill_chunk=10)
-    calls = []
-    prefill = engine.runner.prefill_batch
-    engine.runner.prefill_batch = lambda slots, ids, starts: calls.append(
-        [(len(i), s) for i, s in zip(ids, starts)]) or prefill(slots, ids, starts)
+    calls = record_prefills(engine)
     prompts = {"a": list(range(3, 9)), "b": list(range(20, 28)), "c": list(range(40, 63))}  # 6, 8, 23
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, SamplingParams(max_tokens=2, ignore_eos=True))
@@ -247,15 +253,13 @@ def test_prefill_groups_keep_padding_small(tiny_target, plain_outputs):
         assert max(lengths[i] for i in g) * len(g) <= 1.25 * sum(lengths[i] for i in g) or len(g) == 1
 
     engine = Engine(tiny_target, None, max_batch=4, max_len=256)
-    calls = []
-    prefill = engine.runner.prefill_batch
-    engine.runner.prefill_batch = lambda slots, ids, starts: calls.append(len(slots)) or prefill(slots, ids, starts)
+    calls = record_prefills(engine)
     prompts = prompts_of(tiny_target.tokenizer, 4)
     assert len({len(p) for p in prompts.values()}) > 1
     final = run(engine, prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     for rid, out in final.items():
         assert out.token_ids == plain_outputs[rid].token_ids
-    assert sum(calls) == 4
+    assert sum(len(call) for call in calls) == 4
 
 
 def test_seeded_sampling_is_reproducible(tiny_target):
