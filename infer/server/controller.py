@@ -12,7 +12,8 @@ acceptance estimates (``costmodel.py``). Policies (``--spec-policy``):
   How much to speculate is then settled by measurement, not by the models:
   a ``ThroughputGate`` per batch-size bucket compares the measured decode
   tokens/s of plain decoding, the models' plan and the full tree for everyone,
-  and plays the winner (replaying the others every ``explore``-th step). A wrong
+  in pairs of adjacent runs, and plays the winner (a short run of the others
+  every ``explore``-th step). A wrong
   cost or acceptance estimate cannot make the server slower than the best of
   plain and always-on for long.
 * ``always``: one fixed budget for everyone (classic speculative decoding).
@@ -175,7 +176,7 @@ class GoodputPolicy(Policy):
         self.margin, self.patience = margin, patience
         self.explore_every = explore_every  # a plain-only plan never learns what speculation costs
         # Explore in runs of 3 (the first step after a switch is not sampled): every 8 steps of a
-        # batch-size bucket until each arm has 4 samples (a 64-token request is ~50 steps), then
+        # batch-size bucket until each arm has 4 pairs (a 64-token request is ~50 steps), then
         # every 32, the arms behind in turn, one more than 10% slower 4x rarer: ~3-9% of steps.
         # (With 20%, a model plan ~15% behind plain at batch 4-32 was still replayed every 32
         # steps, each replay paying two switches too; goodput ran 6-12% under plain there.)
@@ -214,10 +215,10 @@ class GoodputPolicy(Policy):
         plain's throughput at 8-32 concurrent requests). Plain decoding is always allowed."""
         g, arms = self.gate, self.ARMS
         for smaller in range(bucket):
-            rates = {a: g.rate(smaller, a) for a in self.ARMS}
-            known = [r for r in rates.values() if r is not None]  # an arm left out there has none
+            speed = {a: g.relative(smaller, a) for a in self.ARMS}  # vs that bucket's leader
+            known = [r for r in speed.values() if r is not None]  # an arm left out there has none
             if len(known) > 1:
-                arms = tuple(a for a in arms if a == "plain" or rates[a] is None or rates[a] >= g.clear * max(known))
+                arms = tuple(a for a in arms if a == "plain" or speed[a] is None or speed[a] >= g.clear * max(known))
         return arms
 
     def observe(self, ctl, obs):
