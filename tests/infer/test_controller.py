@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import numpy as np
@@ -235,6 +236,20 @@ def test_goodput_leaves_arms_out_of_bigger_batches_once_they_lost(model_speed):
     big = run([f"r{i}" for i in range(8)], 200)
     assert 8 not in big
     assert (2 in big) == (model_speed > speed[0])  # the plan won at batch 2: still played at 8
+
+
+@pytest.mark.parametrize("model_vs_plain, kept", [(1.05, ("plain", "model")), (0.95, ("plain",))])
+def test_goodput_bigger_batches_keep_only_arms_that_beat_plain(model_vs_plain, kept):
+    """At batch 2-3 (bucket 1) plain leads, the full tree measured at 0.4x of it and the models'
+    plan at 1.05x or 0.95x: from batch 4 on, only an arm that beat plain there is tried."""
+    pol = make_controller("goodput", grid=budget_grid((0, 2, 8))).policy
+    gate = pol.gate
+    gate.leader[1] = "plain"
+    for arm, ratio in (("model", model_vs_plain), ("full", 0.4)):
+        x = math.log(ratio)
+        gate.pairs[(1, arm)] = [10.0, 10 * x, 10 * x * x]
+    assert pol._arms(2) == pol._arms(3) == kept
+    assert pol._arms(1) == pol._arms(0) == GoodputPolicy.ARMS  # nothing smaller was measured
 
 
 def test_cost_follows_the_nodes_a_drafter_really_uses():
