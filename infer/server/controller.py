@@ -190,6 +190,11 @@ class GoodputPolicy(Policy):
     def choose(self, ctl, rids):
         if not rids:
             return {}
+        bucket = ThompsonPolicy.bucket(len(rids))
+        allowed = self._arms(bucket) if self.gate is not None else None
+        if allowed == ("plain",):  # big batches where speculation lost: no models to consult
+            self._played = (bucket, self.gate.choose(bucket, allowed=allowed))
+            return dict.fromkeys(rids, 0)
         exp = ctl.expected_tokens(rids)  # [R, L]
         plan = self._model_plan(ctl, rids, exp)
         if len(ctl.nodes) < 2:  # plain decoding is the only level
@@ -199,9 +204,7 @@ class GoodputPolicy(Policy):
         model_speculates = any(plan.values())
         if not model_speculates:  # the "model" arm must speculate: the best uniform plan
             plan = dict.fromkeys(rids, _best_uniform_level(ctl, exp))
-        bucket = ThompsonPolicy.bucket(len(rids))
-        arm = self.gate.choose(bucket, default="model" if model_speculates else "plain",
-                               allowed=self._arms(bucket))
+        arm = self.gate.choose(bucket, default="model" if model_speculates else "plain", allowed=allowed)
         self._played = (bucket, arm)
         if arm == "full":
             return dict.fromkeys(rids, len(ctl.nodes) - 1)
