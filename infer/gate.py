@@ -22,11 +22,23 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 # A challenger's mean log speed ratio must stand this many standard errors from 0 to be trusted
 # before ``min_samples`` pairs (a 3x slower arm need not be tried 4 times).
 CONFIDENT = 2.0
 MIN_PAIR_STD = 0.25  # floor of a pair's log-ratio std: two pairs never look certain
+
+
+@dataclass
+class _Run:
+    """A challenger's exploration run in flight (its samples, to be paired when it ends)."""
+
+    regime: object
+    arm: object
+    last: int  # the regime's decision number that ends it
+    tokens: float = 0.0
+    seconds: float = 0.0
 
 
 class ThroughputGate:
@@ -58,7 +70,7 @@ class ThroughputGate:
         self.samples: dict[tuple, int] = {}
         self.decisions: dict = {}
         self._recent: dict = {}  # regime -> the leader's last ``run`` sampled (tokens, seconds)
-        self._trial: list | None = None  # the run in flight: [regime, arm, last decision, tokens, seconds]
+        self._trial: _Run | None = None
         self._last_arm = None
         self._skip = False  # the step in flight follows a switch: do not sample it
 
@@ -98,19 +110,21 @@ class ThroughputGate:
         the arm doing most work. ``allowed``: a subset of the arms to choose from this time (what
         is known not to pay can be left out)."""
         n = self.decisions[regime] = self.decisions.get(regime, 0) + 1
-        trial = self._trial
-        if trial is not None and (trial[0] != regime or n > trial[2]):
+        if self._trial is not None and (self._trial.regime != regime or n > self._trial.last):
             self._close_trial()
         arms = [a for a in self.arms if allowed is None or a in allowed]
         if len(arms) == 1:  # nothing to choose or explore
             arm = arms[0]
         else:
             lead = self._lead(regime, arms, default)
-            every = self._period(regime, lead, arms)
-            arm = self._explored(regime, n, every, lead, arms)
+            standing = {a: self.standing(regime, a) for a in arms}
+            others = [a for a in arms if a != lead]
+            unknown = [a for a in others if standing[a] is None]
+            every = self.warmup_explore if unknown else self.explore
+            arm = self._explored(n, every, unknown or others, standing)
             arm = lead if arm is None else arm  # (an arm may be False: no `or`)
             if arm != lead and self._trial is None:  # a run starts: it ends at the period's last decision
-                self._trial = [regime, arm, n - n % every + every - 1, 0.0, 0.0]
+                self._trial = _Run(regime, arm, n - n % every + every - 1)
         self._skip = self._last_arm is not None and arm != self._last_arm
         self._last_arm = arm
         return arm
@@ -130,21 +144,14 @@ class ThroughputGate:
             lead = best
         return lead
 
-    def _period(self, regime, lead, arms: list) -> int:
-        unknown = any(self.standing(regime, a) is None for a in arms if a != lead)
-        return self.warmup_explore if unknown else self.explore
-
-    def _explored(self, regime, n: int, every: int, lead, arms: list):
-        """The challenger an exploration run plays at decision n, or None outside the runs."""
+    def _explored(self, n: int, every: int, pool: list, standing: dict):
+        """The challenger (from ``pool``, in turn) an exploration run plays at decision n, or None
+        outside the runs."""
         if n % every < every - self.run:
             return None
-        others = [a for a in arms if a != lead]
-        unknown = [a for a in others if self.standing(regime, a) is None]
-        pool = unknown or others
         k = n // every
         arm = pool[k % len(pool)]
-        s = self.standing(regime, arm)
-        behind = s is not None and s < math.log(self.clear)
+        behind = standing[arm] is not None and standing[arm] < math.log(self.clear)
         return None if behind and (k // len(pool)) % 4 else arm
 
     def _set_leader(self, regime, new) -> None:
@@ -179,14 +186,14 @@ class ThroughputGate:
         self.samples[key] = self.samples.get(key, 0) + 1
         if arm == self.leader.get(regime):
             self._recent.setdefault(regime, deque(maxlen=self.run)).append((tokens, seconds))
-        elif self._trial is not None and self._trial[:2] == [regime, arm]:
-            self._trial[3] += tokens
-            self._trial[4] += seconds
+        elif self._trial is not None and (self._trial.regime, self._trial.arm) == (regime, arm):
+            self._trial.tokens += tokens
+            self._trial.seconds += seconds
 
     def _close_trial(self) -> None:
         """One pair: the run's tokens/s against the leader's over the steps just before it."""
-        regime, arm, _, tokens, seconds = self._trial
-        self._trial = None
+        run, self._trial = self._trial, None
+        regime, arm, tokens, seconds = run.regime, run.arm, run.tokens, run.seconds
         ref = self._recent.get(regime) or ()
         ref_tokens, ref_seconds = sum(t for t, _ in ref), sum(s for _, s in ref)
         if tokens <= 0 or ref_tokens <= 0 or arm == self.leader.get(regime):
