@@ -70,6 +70,7 @@ class Request:
         self.slot: int | None = None
         self.prefilled = 0                 # prompt tokens whose K/V are in the cache
         self.prompt_features: list[dict] = []  # per prefill chunk, until the drafter gets them
+        self.unfed: list[tuple] = []       # plain steps not yet committed to the drafter (Engine._feed)
         self.kv_len = 0                    # committed tokens in the cache
         self.root: int | None = None
         self.out: list[int] = []

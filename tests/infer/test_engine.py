@@ -159,6 +159,45 @@ def test_random_trees_are_lossless_in_greedy(tiny_target, plain_outputs, batch):
     assert engine.last_step.tokens_verified >= engine.last_step.batch_size >= 1
 
 
+
+def test_plain_steps_reach_the_drafter_before_it_drafts(tiny_target, plain_outputs, monkeypatch):
+    """Plain rows are committed to the drafter lazily (one commit for many plain steps), yet it
+    always drafts from the full history: with a stale one its oracle branch would never match."""
+    import specdec.infer.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_UNFED", 7)  # drafted commits hold <= 6
+    drafter = oracle_drafter(tiny_target, plain_outputs, seed=3, p_oracle=1.0)
+    prompts = prompts_of(tiny_target.tokenizer, 4)
+    refs = [prompts[rid] + out.token_ids for rid, out in plain_outputs.items()]
+    commits, proposed = [], []
+    commit, propose = drafter.commit, drafter.propose
+
+    def checked_propose(slots, roots, budget):
+        for s, r in zip(slots.tolist(), roots.tolist()):
+            seq = drafter.hist[s] + [r]
+            proposed.append(any(ref[:len(seq)] == seq for ref in refs))
+        return propose(slots, roots, budget)
+
+    drafter.commit = lambda slot, ids, feats: commits.append(len(ids)) or commit(slot, ids, feats)
+    drafter.propose = checked_propose
+    engine = Engine(tiny_target, drafter, max_batch=4, max_len=256)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    final, step = {}, 0
+    while engine.has_unfinished():  # 4 plain steps, then one that drafts; r3 never drafts
+        budget = {rid: BUDGET if step % 5 == 4 and rid != "r3" else engine_mod.PLAIN for rid in prompts}
+        final.update((out.request_id, out) for out in engine.step(budget) if out.finished)
+        step += 1
+    for rid, out in final.items():
+        assert out.token_ids == plain_outputs[rid].token_ids, rid
+    assert proposed and all(proposed), "the drafter drafted from a history without the plain steps"
+    assert sum(final["r0"].stats["accepted_per_step"]) > 0
+    steps = sum(out.stats["steps"] for out in final.values())
+    assert len(commits) < steps / 2, "plain steps should reach the drafter in batches"
+    assert max(commits) == 7  # MAX_UNFED bounds what a row holds back (r3 never drafts)
+
+
 def test_stop_rules_per_sequence(tiny_target, plain_outputs):
     prompts = prompts_of(tiny_target.tokenizer, 4)
     ref = {rid: out.token_ids for rid, out in plain_outputs.items()}
