@@ -198,8 +198,8 @@ class Engine:
             # a copy when the step was wider: a view would keep every tree node's features alive
             plain_feats = {k: v[:, 0] if v.shape[1] == 1 else v[:, 0].clone() for k, v in feats.items()}
         for b, r in enumerate(live):
-            drafts = []
-            if plain_feats is not None and budgets[b].max_nodes == 0:  # committed: the root alone
+            drafts = []  # a plain row (or no drafter) commits its root alone
+            if self.drafter is not None and budgets[b].max_nodes == 0:
                 r.unfed.append((plain_feats, b, r.root))
                 if len(r.unfed) >= MAX_UNFED:
                     self._feed(r)
