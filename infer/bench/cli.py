@@ -98,6 +98,7 @@ def run(args):
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "runs": args.runs,
         "methods": {s.label: {"name": s.name, "value": s.value} for s in methods},
         "batch_size": 1, "temperature": 0.0, "warmup": "first question once, untimed, per method",
+        "order": "methods interleaved question by question, rotating",
     }
     results = specbench.results_for(answers)
     return report.write_results(args.out, specbench.machine_info(device),

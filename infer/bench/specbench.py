@@ -12,7 +12,8 @@ Protocol (as in hemingkx/Spec-Bench ``evaluation/eval.py`` + ``speed.py``):
   * tau = the mean over all decoding steps of the tokens a step added (accepted drafts + 1);
   * identical_rate = the share of questions whose every turn's tokens equal plain decoding's.
 Each method first answers the first question once untimed (warm-up); ``runs`` > 1 repeats the
-timed pass and reports mean and sample std over runs.
+timed pass and reports mean and sample std over runs. Unlike Spec-Bench, the methods take turns
+question by question (see ``run_benchmark``), so a machine's drift does not bias the speedups.
 """
 from __future__ import annotations
 
@@ -280,7 +281,13 @@ def machine_info(device: str) -> dict:
 
 def run_benchmark(target, methods: list[MethodSpec], questions: list[dict], max_new_tokens: int = 256,
                   runs: int = 1, device: str = "cpu", progress: bool | None = None) -> dict[str, list[list[Answer]]]:
-    """answers[label][run][question] for every method (hf and plain included)."""
+    """answers[label][run][question] for every method (hf and plain included).
+
+    The methods take turns question by question (the order rotating from one question to the
+    next), not one whole pass after another: a shared or throttled machine drifts by 15-20%
+    over the minutes a pass takes, and interleaving puts that drift into every method alike
+    instead of into their ratios. Each method keeps its own engine (and KV cache) throughout.
+    """
     from tqdm.auto import tqdm
 
     if runs < 1:
@@ -289,21 +296,23 @@ def run_benchmark(target, methods: list[MethodSpec], questions: list[dict], max_
     max_len = max_context(tok, questions, max_new_tokens)
     total = len(methods) * (runs * len(questions) + 1)
     bar = tqdm(total=total, desc="specdec-bench", unit="q", disable=None if progress is None else not progress)
-    answers: dict[str, list[list[Answer]]] = {}
+    answers: dict[str, list[list[Answer]]] = {s.label: [[] for _ in range(runs)] for s in methods}
     try:
+        generators = {}
         for spec in methods:
-            bar.set_postfix_str(spec.label)
+            bar.set_postfix_str(f"warm-up {spec.label}")
             generate = HFGenerator(target) if spec.name == HF else EngineGenerator(target, spec, max_len, device)
             answer_question(generate, tok, questions[0], max_new_tokens)  # warm-up, untimed
+            generators[spec.label] = generate
             bar.update(1)
-            answers[spec.label] = []
-            for _ in range(runs):
-                done = []
-                for q in questions:
-                    done.append(answer_question(generate, tok, q, max_new_tokens))
+        labels = list(generators)
+        for r in range(runs):
+            for i, q in enumerate(questions):
+                shift = (r * len(questions) + i) % len(labels)
+                for label in labels[shift:] + labels[:shift]:
+                    bar.set_postfix_str(label)
+                    answers[label][r].append(answer_question(generators[label], tok, q, max_new_tokens))
                     bar.update(1)
-                answers[spec.label].append(done)
-            del generate  # free this method's KV cache before the next one
     finally:
         bar.close()
     return answers

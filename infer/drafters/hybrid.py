@@ -8,7 +8,9 @@ the best ``max_nodes`` nodes by *estimated acceptance* are kept:
   head node at depth d         its own score: the cumulative draft probability (EAGLE-2's rerank)
   retrieval node at depth d    alpha_s ** d * w, alpha_s = the source's online per-token
                                acceptance rate, w = the node's weight inside its source
-                               (PLD: 1/rank of its match, REST: relative frequency)
+                               (PLD: 1/rank of its match, REST: relative frequency);
+                               PLD's flowing copies (drafted deeper after a fully accepted
+                               step) count as a source of their own, with their own alpha
 
 alpha_s is learned while decoding: after each step, for every node on the committed path, each
 source that proposed a child of it counts one trial, and a success if the committed token was
@@ -40,7 +42,7 @@ from torch import Tensor
 from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget, default_budget
 
-from .pld import CPU_LOOKUP_BUDGET, NO_FEATURES, CandidateTrie, PLDDrafter, pack_trees, token_list
+from .pld import BASE_DRAFT_LEN, CPU_LOOKUP_BUDGET, NO_FEATURES, CandidateTrie, PLDDrafter, pack_trees, token_list
 from .rest import RESTDrafter
 from .rest import make_drafter as make_rest
 
@@ -55,6 +57,7 @@ REGIME_EDGES = (0.5, 1.5)
 # What `hybrid=VALUE` in a method spec means (specdec-bench): the trained head's folder.
 VALUE_OPTION = "draft_head"
 HEAD = "head"
+FLOWING = "pld-flowing"  # PLD's nodes while its copy flows (see PLDDrafter.reach)
 
 
 class AcceptanceEstimate:
@@ -239,7 +242,10 @@ class HybridDrafter:
         tries = [CandidateTrie(root) for root in root_list]
         if self.pld is not None:
             for slot, root, trie in zip(slot_list, root_list, tries):
-                self._add_retrieval(trie, self.pld.trie(slot, root, budget, source="pld"), "pld")
+                # a flowing copy (PLD drafts it deeper) is its own source: its tokens are
+                # accepted far more often than PLD's guesses, and alpha ** depth must say so
+                name = FLOWING if slot in self.pld.reach else "pld"
+                self._add_retrieval(trie, self.pld.trie(slot, root, budget, source=name), name)
         offered = [expected_length(t) for t in tries]  # what PLD offers each row
         regime = regime_of(sum(offered) / max(len(offered), 1))  # the gates' regime: the batch mean
         self._step = _TimedStep(regime, set(slot_list), self.clock()) if self.gates else None
@@ -248,9 +254,10 @@ class HybridDrafter:
         wants_rest = [offer < REGIME_EDGES[-1] for offer in offered]
         if self.rest is not None and any(wants_rest) and self._pays("rest", regime):
             start = self.clock()
+            shallow = TreeBudget(budget.max_nodes, min(budget.max_depth, BASE_DRAFT_LEN), budget.topk)
             for slot, root, trie, wants in zip(slot_list, root_list, tries, wants_rest):
                 if wants:
-                    self._add_retrieval(trie, self.rest.trie(slot, root, budget, source="rest"), "rest")
+                    self._add_retrieval(trie, self.rest.trie(slot, root, shallow, source="rest"), "rest")
             self._drafted("rest", start)
         if self.head is not None and self._pays(HEAD, regime):
             start = self.clock()

@@ -131,7 +131,13 @@ def find_continuations(seq: np.ndarray, max_ngram: int, min_ngram: int, length: 
     return found
 
 
-CPU_LOOKUP_BUDGET = TreeBudget(max_nodes=12, max_depth=6, topk=4)
+# A draft's depth while no copy is flowing; after a step accepted the whole best match, the
+# next one drafts twice as deep (up to the budget's depth): on summaries and RAG, 87% of the
+# steps that reached depth 5 of a 6-deep draft accepted all 6 (Spec-Bench, bf16), so a fixed
+# depth cut long copies short. Measured on 16 of those questions (bf16, 2-core CPU, methods
+# interleaved): tau 2.58 -> 2.71-2.75, 1.64x -> 1.71-1.74x over plain decoding, twice.
+BASE_DRAFT_LEN = 6
+CPU_LOOKUP_BUDGET = TreeBudget(max_nodes=12, max_depth=12, topk=4)
 
 
 class PLDDrafter(HistoryTrieDrafter):
@@ -139,7 +145,9 @@ class PLDDrafter(HistoryTrieDrafter):
 
     max_ngram / min_ngram: n-gram sizes tried, longest first (3..1 by default).
     max_matches: distinct continuations merged into the tree (1 = the original chain).
-    draft_len: tokens per continuation (default: the budget's max_depth).
+    draft_len: tokens per continuation while no copy flows (default: BASE_DRAFT_LEN, at most
+    the budget's max_depth). A slot whose last step accepted its whole best continuation drafts
+    the best one twice as long next step (up to max_depth), until a step rejects part of it.
     Scores: the i-th continuation (0-based) scores 1/(i+1) on all its nodes, so the tree keeps
     the most recent, longest-n-gram matches first when the budget is tight.
     """
@@ -154,6 +162,27 @@ class PLDDrafter(HistoryTrieDrafter):
         self.max_matches = int(max_matches)
         self.draft_len = None if draft_len is None else int(draft_len)
         self.history = TokenHistory()
+        self.reach: dict[int, int] = {}  # slot -> the best continuation's length next step (flowing)
+        self.drafted: dict[int, list[int]] = {}  # slot -> the best continuation it last proposed
+
+    def prefill(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
+        self.reach.pop(slot, None)
+        self.drafted.pop(slot, None)
+        super().prefill(slot, token_ids, features)
+
+    def commit(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
+        ids = token_list(token_ids)  # the step's root, then the drafts it accepted
+        best = self.drafted.pop(slot, None)
+        if best and ids[1:1 + len(best)] == best:  # the copy flows: draft deeper
+            self.reach[slot] = 2 * len(best)
+        elif best is not None:
+            self.reach.pop(slot, None)
+        self.history.extend(slot, ids)
+
+    def release(self, slot: int) -> None:
+        self.reach.pop(slot, None)
+        self.drafted.pop(slot, None)
+        super().release(slot)
 
     def default_budget(self, device) -> TreeBudget | None:
         """Lookup drafts cost nothing and copies run long, so on CPU a deeper tree than the heads'
@@ -168,11 +197,14 @@ class PLDDrafter(HistoryTrieDrafter):
         return find_continuations(seq, self.max_ngram, self.min_ngram, length, self.max_matches)
 
     def trie(self, slot: int, root: int, budget: TreeBudget, source: str = "pld") -> CandidateTrie:
-        length = min(self.draft_len or budget.max_depth, budget.max_depth)
+        base = min(self.draft_len or BASE_DRAFT_LEN, budget.max_depth)
+        length = min(max(self.reach.get(slot, base), base), budget.max_depth)
+        found = self.candidates(slot, root, length)
         trie = CandidateTrie(root)
-        for rank, cont in enumerate(self.candidates(slot, root, length)):
-            trie.add(cont, 1.0 / (rank + 1), source=source, max_depth=budget.max_depth,
-                     max_children=budget.topk)
+        for rank, cont in enumerate(found):  # only the best match runs past the base length
+            trie.add(cont if rank == 0 else cont[:base], 1.0 / (rank + 1), source=source,
+                     max_depth=budget.max_depth, max_children=budget.topk)
+        self.drafted[slot] = found[0] if found else []
         return trie
 
 

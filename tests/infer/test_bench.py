@@ -73,6 +73,34 @@ def test_second_turn_prompt_holds_the_first_answer(tiny_target):
     assert ans.seconds == 1.0 and ans.step_tokens == [2, 1, 2, 1]
 
 
+def test_methods_take_turns_question_by_question(tiny_target, monkeypatch):
+    """A drifting machine must not bias the ratios: every question is answered by all methods
+    back to back, the first to answer rotating, each method on its own engine throughout."""
+    calls, made = [], []
+
+    class Fake:
+        def __init__(self, *args):
+            self.label = args[1].label if len(args) > 1 else "hf"
+            made.append(self.label)
+
+        def __call__(self, prompt_ids, max_new_tokens):
+            calls.append(self.label)
+            return Turn([5], 0.1, [1])
+
+    monkeypatch.setattr(specbench, "EngineGenerator", Fake)
+    monkeypatch.setattr(specbench, "HFGenerator", Fake)
+    methods = specbench.parse_methods("plain,pld")
+    questions = [QUESTIONS[1], QUESTIONS[2], QUESTIONS[3]]  # one turn each
+    answers = specbench.run_benchmark(tiny_target, methods, questions, 4, runs=2, progress=False)
+    assert made == ["hf", "plain", "pld"]  # one engine per method, built once
+    timed = calls[3:]  # after the three warm-ups
+    blocks = [timed[i:i + 3] for i in range(0, len(timed), 3)]
+    assert all(sorted(b) == ["hf", "plain", "pld"] for b in blocks)
+    assert [b[0] for b in blocks] == ["hf", "plain", "pld", "hf", "plain", "pld"]
+    assert {k: [len(run) for run in v] for k, v in answers.items()} == {k: [3, 3] for k in made}
+    assert [a.question_id for a in answers["pld"][1]] == [2, 3, 4]
+
+
 def test_bench_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path):
     qfile = write_questions(tmp_path / "q.jsonl", QUESTIONS[:3])
     out = tmp_path / "out"

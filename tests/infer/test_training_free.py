@@ -17,7 +17,7 @@ from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
                                      default_datastore)
 from specdec.infer.gate import ThroughputGate
-from specdec.infer.drafters.hybrid import HEAD, NodeCost, SourceGate, regime_of
+from specdec.infer.drafters.hybrid import FLOWING, HEAD, NodeCost, SourceGate, regime_of
 from specdec.infer.drafters.hybrid import HybridDrafter
 from specdec.infer.drafters.lookahead import LookaheadDrafter
 from specdec.infer.drafters.pld import CandidateTrie, PLDDrafter, find_continuations
@@ -95,6 +95,24 @@ def test_pld_respects_the_budget_and_follows_commits():
     assert tree.top_path(0) == [0, 1, 2]
     d.commit(0, torch.tensor([0, 1, 2]), {})
     assert d.propose(torch.tensor([0]), torch.tensor([3]), tight).top_path(0) == [3, 4, 5]
+
+
+def test_pld_drafts_deeper_while_the_copy_flows():
+    """A step that accepts the whole best match doubles the next draft's depth (up to the
+    budget's); a step that rejects part of it goes back to the base length."""
+    d = PLDDrafter(max_ngram=3, max_matches=1, draft_len=3)
+    d.reset(1, 256)
+    d.prefill(0, torch.arange(40).repeat(2)[:-30], {})  # 0..39 then 0..9: copying 10, 11, ...
+    deep = TreeBudget(max_nodes=12, max_depth=8, topk=4)
+    assert d.propose(torch.tensor([0]), torch.tensor([10]), deep).top_path(0) == [10, 11, 12, 13]
+    d.commit(0, torch.tensor([10, 11, 12, 13]), {})  # all 3 drafts accepted
+    assert d.propose(torch.tensor([0]), torch.tensor([14]), deep).top_path(0) == list(range(14, 21))
+    d.commit(0, torch.tensor([14, 15, 16, 17, 18, 19, 20]), {})  # all 6 again: 12, capped at 8
+    assert d.propose(torch.tensor([0]), torch.tensor([21]), deep).top_path(0) == list(range(21, 30))
+    d.commit(0, torch.tensor([21, 22]), {})  # the copy broke after one token
+    assert d.propose(torch.tensor([0]), torch.tensor([23]), deep).top_path(0) == [23, 24, 25, 26]
+    d.prefill(0, torch.arange(40).repeat(2)[:-30], {})  # a new request starts at the base length
+    assert d.propose(torch.tensor([0]), torch.tensor([10]), deep).top_path(0) == [10, 11, 12, 13]
 
 
 def test_empty_prompt_still_proposes_a_valid_tree():
@@ -265,6 +283,27 @@ def test_hybrid_merges_head_and_retrieval_within_the_budget(store):
     tree = d.propose(torch.tensor([0]), torch.tensor([3]), budget)
     assert tree.top_path(0)[:4] == [3, 20, 21, 22]
     assert head.commits and head.commits[0] == [3, 20, 21]      # sub-drafters see every commit
+
+
+def test_hybrid_keeps_a_flowing_copy_deep_and_learns_its_own_rate():
+    """Once PLD's whole chain was accepted, the hybrid tags the deeper chain as the flowing
+    source, scores it by its own alpha, and learns that alpha from it."""
+    d = HybridDrafter(None, PLDDrafter(max_ngram=3, max_matches=1), adaptive=False, min_score=0.0)
+    d.reset(1, 256)
+    d.prefill(0, torch.arange(40).repeat(2)[:-30], {})  # 0..39 then 0..9: copying 10, 11, ...
+    budget = TreeBudget(max_nodes=12, max_depth=12, topk=4)
+    first = d.propose(torch.tensor([0]), torch.tensor([10]), budget)
+    assert first.top_path(0) == list(range(10, 17))  # PLD's base depth, 6
+    assert d.last_trie[0].sources[1] == {"pld"}
+    d.commit(0, torch.tensor(list(range(10, 17))), {})
+    deep = d.propose(torch.tensor([0]), torch.tensor([17]), budget)
+    assert deep.top_path(0) == list(range(17, 30))  # 12 deep now
+    assert all(src == {FLOWING} for src in d.last_trie[0].sources[1:])
+    pld_rate, before = d.estimate.rate("pld"), d.estimate.rate(FLOWING)
+    d.commit(0, torch.tensor(list(range(17, 30))), {})
+    assert d.estimate.rate(FLOWING) > before and d.estimate.rate("pld") == pld_rate
+    later = d.propose(torch.tensor([0]), torch.tensor([30]), budget)
+    assert later.scores[0, 12] > deep.scores[0, 12]  # the learnt alpha ranks deep copies higher
 
 
 class FakeClock:
