@@ -21,6 +21,8 @@ plain and hf are always added: every speedup is relative to them.
 
 --limit N keeps N questions in all, taken round-robin over the chosen categories (the first of
 each category, then the second of each, ...), so a small N still covers every category.
+The methods take turns question by question (each on its own engine), so a machine that slows
+down or speeds up during the run does not bias their ratios.
 
 example:
   specdec-bench --target smollm2-135m --methods plain,pld,lookahead,rest --limit 26 --out runs/bench

@@ -111,6 +111,10 @@ def test_pld_drafts_deeper_while_the_copy_flows():
     assert d.propose(torch.tensor([0]), torch.tensor([21]), deep).top_path(0) == list(range(21, 30))
     d.commit(0, torch.tensor([21, 22]), {})  # the copy broke after one token
     assert d.propose(torch.tensor([0]), torch.tensor([23]), deep).top_path(0) == [23, 24, 25, 26]
+    d.commit(0, torch.tensor([23, 24, 25, 26]), {})  # flowing again ...
+    d.commit(0, torch.tensor([27, 28]), {})  # ... then plain steps (nothing drafted): stale
+    assert d.propose(torch.tensor([0]), torch.tensor([29]), deep).top_path(0) == [29, 30, 31, 32]
+    d.commit(0, torch.tensor([29, 30, 31, 32]), {})
     d.prefill(0, torch.arange(40).repeat(2)[:-30], {})  # a new request starts at the base length
     assert d.propose(torch.tensor([0]), torch.tensor([10]), deep).top_path(0) == [10, 11, 12, 13]
 
