@@ -165,9 +165,13 @@ class PLDDrafter(HistoryTrieDrafter):
         self.reach: dict[int, int] = {}  # slot -> the best continuation's length next step (flowing)
         self.drafted: dict[int, list[int]] = {}  # slot -> the best continuation it last proposed
 
+    def reset(self, max_batch: int, max_len: int) -> None:
+        self.reach.clear()
+        self.drafted.clear()
+        super().reset(max_batch, max_len)
+
     def prefill(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
-        self.reach.pop(slot, None)
-        self.drafted.pop(slot, None)
+        self._forget(slot)
         super().prefill(slot, token_ids, features)
 
     def commit(self, slot: int, token_ids: Tensor, features: dict | None = None) -> None:
@@ -180,9 +184,12 @@ class PLDDrafter(HistoryTrieDrafter):
         self.history.extend(slot, ids)
 
     def release(self, slot: int) -> None:
+        self._forget(slot)
+        super().release(slot)
+
+    def _forget(self, slot: int) -> None:
         self.reach.pop(slot, None)
         self.drafted.pop(slot, None)
-        super().release(slot)
 
     def default_budget(self, device) -> TreeBudget | None:
         """Lookup drafts cost nothing and copies run long, so on CPU a deeper tree than the heads'
