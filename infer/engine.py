@@ -205,8 +205,7 @@ class Engine:
                     self._feed(r)
             elif self.drafter is not None:
                 nodes = path[b, :n_list[b] + 1]                                  # [n+1] root first
-                committed = tree.tokens[b, nodes]
-                self._feed(r)
+                committed = tree.tokens[b, nodes]  # _draft fed the row's plain steps before it drafted
                 self.drafter.commit(r.slot, committed, {k: v[b, nodes] for k, v in feats.items()})
                 drafts = committed[1:].tolist()
             r.kv_len += n_list[b] + 1
