@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import (FeatureSpec, chunked_logit_loss, depth_valid_mask, frozen_embedding,
-                   frozen_linear, init_linear_, masked_mean, shift_left, target_part)
+                   frozen_linear, init_linear_, masked_mean, shift_left, soft_labels, target_part)
 from .common import mean_loss
 from .eagle import EagleFamily, EagleLayerConfig
 from .layers import MLP, Attention, RMSNorm
@@ -188,12 +188,26 @@ class Eagle3Head(EagleFamily):
         teacher_w = self.verifier_lm_head.weight[self.token_map]           # [Vd, H] target rows
         hidden = batch.get("hidden")
         t2d_idx = self.target_to_draft() if hidden is None else None
+        # Step k at position t learns the target's distribution at t+k+1: every step reads the
+        # same soft labels, shifted, so compute them once (at the positions some step reads).
+        soft = None
+        if hidden is not None:
+            T = valid.shape[-1]
+            reads = torch.zeros_like(valid[0])                             # [B, T]
+            for k in range(c.ttt_steps):
+                reads[:, k + 1:] |= valid[k][:, :T - k - 1]
+            soft = soft_labels(hidden[reads].to(outs[0].dtype), teacher_w)   # [n, Vd] or None
+            row_of = torch.full(reads.shape, -1, dtype=torch.long, device=reads.device)
+            row_of[reads] = torch.arange(int(reads.sum()), device=reads.device)
         total = outs[0].new_zeros(())
         metrics: dict[str, float] = {}
         for k, out in enumerate(outs):
             v = valid[k] & shift_left(in_vocab, k + 1, fill=False)
             student = self.norm(out)[v]
-            if hidden is not None:   # exact soft labels: target logits restricted to the draft vocab
+            if soft is not None:
+                b, t = v.nonzero(as_tuple=True)
+                teacher = dict(teacher_probs=soft[row_of[b, t + k + 1]])
+            elif hidden is not None:  # exact soft labels: target logits restricted to the draft vocab
                 teacher = dict(teacher_h=shift_left(hidden.to(out.dtype), k + 1)[v], teacher_weight=teacher_w)
             else:                    # captured top-k logits, mapped into the draft vocab
                 idx = shift_left(batch["topk_indices"].long(), k + 1)[v]

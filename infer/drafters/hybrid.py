@@ -57,7 +57,7 @@ REGIME_EDGES = (0.5, 1.5)
 # What `hybrid=VALUE` in a method spec means (specdec-bench): the trained head's folder.
 VALUE_OPTION = "draft_head"
 HEAD = "head"
-FLOWING = "pld-flowing"  # PLD's nodes while its copy flows (see PLDDrafter.reach)
+FLOWING = "pld-flowing"  # PLD's nodes while its copy flows (PLDDrafter.flowing)
 
 
 class AcceptanceEstimate:
@@ -244,7 +244,7 @@ class HybridDrafter:
             for slot, root, trie in zip(slot_list, root_list, tries):
                 # a flowing copy (PLD drafts it deeper) is its own source: its tokens are
                 # accepted far more often than PLD's guesses, and alpha ** depth must say so
-                name = FLOWING if slot in self.pld.reach else "pld"
+                name = FLOWING if self.pld.flowing(slot) else "pld"
                 self._add_retrieval(trie, self.pld.trie(slot, root, budget, source=name), name)
         offered = [expected_length(t) for t in tries]  # what PLD offers each row
         regime = regime_of(sum(offered) / max(len(offered), 1))  # the gates' regime: the batch mean

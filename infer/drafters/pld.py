@@ -187,6 +187,10 @@ class PLDDrafter(HistoryTrieDrafter):
         self._forget(slot)
         super().release(slot)
 
+    def flowing(self, slot: int) -> bool:
+        """Whether this slot's copy flows: its last draft was accepted whole, so it drafts deeper."""
+        return slot in self.reach
+
     def _forget(self, slot: int) -> None:
         self.reach.pop(slot, None)
         self.drafted.pop(slot, None)

@@ -36,6 +36,35 @@ def test_loss_decreases_and_frozen_parts_stay(tiny_target, kit, name):
             assert torch.equal(p, frozen[n]), f"{n} changed"
 
 
+def test_eagle3_soft_labels_once_equal_per_step_chunks(tiny_target, kit, monkeypatch):
+    """EAGLE-3's loss computes the target's soft labels once for all unrolled steps when they
+    fit in memory; the loss and gradients equal the chunked path that recomputes them per step."""
+    from specdec.heads import base
+
+    torch.manual_seed(1)
+    head = get_head_class("eagle3").from_target(tiny_target, draft_vocab_size=64, ttt_steps=3)
+    seq = torch.randint(0, 256, (3, 20))
+    mask = torch.ones_like(seq, dtype=torch.bool)
+    mask[:, :5] = False
+    mask[2, 14:] = False
+    batch = kit.batch(tiny_target, seq, mask, aux_layers=head.feature_spec().aux_layers)
+
+    def loss_and_grads():
+        head.zero_grad()
+        loss, metrics = head.loss(batch)
+        loss.backward()
+        return loss.detach(), metrics, [p.grad.clone() for p in head.parameters() if p.requires_grad]
+
+    once = loss_and_grads()
+    monkeypatch.setattr(base, "KEEP_LOGITS_ELEMS", 0)   # soft_labels declines: chunked path
+    assert base.soft_labels(torch.zeros(1, 4), torch.zeros(2, 4)) is None
+    chunked = loss_and_grads()
+    torch.testing.assert_close(once[0], chunked[0])
+    assert once[1] == pytest.approx(chunked[1])
+    for a, b in zip(once[2], chunked[2]):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("name", HEADS)
 def test_save_load_roundtrip_is_exact(tiny_target, kit, tmp_path, name):
     torch.manual_seed(1)
