@@ -312,8 +312,9 @@ class LogitLoss(NamedTuple):
 
 # Up to this many logits ([N, V] elements, 128 MB in float32) a loss keeps them for backward
 # instead of recomputing them chunk by chunk: an EAGLE-3 CPU batch (~1,800 positions x an 8k
-# draft vocab) then computes its LM head once, not twice (training ~20% faster, measured), while
-# a GPU batch over a 128k vocab stays chunked.
+# draft vocab) then computes its LM head once, not twice (with EAGLE-3's shared soft labels: loss +
+# backward 11-25% faster on captured batches, the recipe's training 14.2 -> 13.2 min), while a GPU
+# batch over a 128k vocab stays chunked.
 KEEP_LOGITS_ELEMS = 1 << 25
 
 
