@@ -155,7 +155,7 @@ class Eagle3Head(EagleFamily):
         # the target's argmax: measured a third of a CPU step.
         return FeatureSpec(hidden=True, aux_layers=tuple(self.config.aux_layers), topk_logits=1)
 
-    def input_feature(self, features: dict[str, Tensor]) -> Tensor:
+    def raw_feature(self, features: dict[str, Tensor]) -> Tensor:
         aux = features.get("aux")
         if aux is None:
             raise ValueError(f"an EAGLE-3 head reads the target's aux features (hidden_states "
@@ -163,7 +163,10 @@ class Eagle3Head(EagleFamily):
         if aux.shape[-1] != self.fc.in_features:
             raise ValueError(f"aux features have width {aux.shape[-1]}, the head expects "
                              f"{self.fc.in_features} ({len(self.config.aux_layers)} layers x hidden)")
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return aux
+
+    def fuse_feature(self, raw: Tensor) -> Tensor:
+        return self.fc(raw.to(self.fc.weight.dtype))
 
     def layer_step(self, feature, tokens, cos, sin, mask=None, past_kv=None, ttt_prev=None):
         embeds = self.embed_tokens(tokens).to(feature.dtype)

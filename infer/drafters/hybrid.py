@@ -24,7 +24,8 @@ Cost: PLD is nearly free, the head and REST are not (on the 2-core CPU the head 
 a REST lookup ~2.5 ms, each verified node ~0.5-1 ms, next to a ~30-40 ms verification), so each
 of those two drafts only where it pays (``SourceGate``; off with ``adaptive=False``): per regime
 of how much PLD already offers, paired samples from the steps the source drafted compare
-tokens/s with it against what the other sources alone would have given on the same step. The
+tokens/s with it against what the other sources alone would have given on the same step; and
+neither is asked while PLD offers a trusted copy (``TRUSTED_COPY``). The
 head drafts under the heads' default budget while retrieval may fill the deeper lookup budget
 (PLD's on CPU: long copies). The merged tree is deterministic
 (``draft_probs`` None): even if the head sampled its children, treating the final candidate set
@@ -46,7 +47,14 @@ from .pld import BASE_DRAFT_LEN, CPU_LOOKUP_BUDGET, NO_FEATURES, CandidateTrie, 
 from .rest import RESTDrafter
 from .rest import make_drafter as make_rest
 
-CPU_MIN_SCORE = 0.05
+CPU_MIN_SCORE = 0.05  # until the node's price below is measured
+# A node is worth verifying while its estimated acceptance p buys more than it costs: (tau + p) /
+# (T + c) > tau / T, i.e. p > c x tokens/s, with c = one more node's seconds (``NodeCost``) and
+# tokens/s the hybrid's own in the step's regime (decayed over about the last 10 steps). On the
+# 2-core CPU in bf16: c ~1.1-1.5 ms at 1,000-token contexts, so ~0.05 at 40 tok/s (open text)
+# and ~0.15 at 120 tok/s (a flowing copy, where PLD's guesses add nodes more than tokens).
+SPEED_DECAY = 0.9
+MAX_MIN_SCORE = 0.5  # never prune harder than this, whatever the measurements say
 # What verifying one more tree node costs on the 2-core CPU in bf16 (24 -> 29 ms from 1 to 12
 # nodes at a 100-token context, 26 -> 37 ms at 1,000; float32 ~2-3 ms): charged to a gated
 # source for the nodes only it proposed, until ``NodeCost`` has measured it on the running machine.
@@ -54,6 +62,10 @@ CPU_NODE_SECONDS = 0.0005
 # The head gate's regimes, by retrieval's expected accepted length (``expected_length``):
 # nothing useful / a short or doubtful match / a trusted copy.
 REGIME_EDGES = (0.5, 1.5)
+# In a trusted copy neither the head nor REST is asked: there the head's paired samples said
+# 116 vs 143 tok/s without it (Spec-Bench extraction + RAG, bf16), and its gate's exploration
+# runs, each catching up on the tokens it skipped (~7 ms for 100), cost 1.2 ms a step for nothing.
+TRUSTED_COPY = len(REGIME_EDGES)
 # What `hybrid=VALUE` in a method spec means (specdec-bench): the trained head's folder.
 VALUE_OPTION = "draft_head"
 HEAD = "head"
@@ -181,10 +193,11 @@ class HybridDrafter:
         self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES
         self.estimate = AcceptanceEstimate()
         self.min_score, self.head_depth = min_score, head_depth
-        self.clock = clock
+        self.adaptive, self.clock = adaptive, clock
         costly = [name for name, d in ((HEAD, head_drafter), ("rest", rest)) if d is not None]
         self.gates = {name: SourceGate(clock=clock) for name in costly} if adaptive else {}
         self.node_cost = NodeCost()
+        self.speed: dict[int, np.ndarray] = {}  # regime -> decayed [tokens, seconds] of its steps
         self.head_steps = self.rest_steps = self.steps = 0  # how often each drafted (tests, bench notes)
         self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
         self._step: _TimedStep | None = None
@@ -227,6 +240,9 @@ class HybridDrafter:
                 self._step = None
                 seconds = self.clock() - step.start
                 self.node_cost.add(step.nodes, seconds - sum(step.seconds.values()))
+                speed = self.speed.setdefault(step.regime, np.zeros(2))
+                speed *= SPEED_DECAY
+                speed += (step.tokens_on, seconds)
                 for name, gate in self.gates.items():
                     gate.node_seconds = self.node_cost.seconds
                     gate.record(step.regime, name in step.seconds, step.tokens_on, step.tokens_off[name],
@@ -248,10 +264,10 @@ class HybridDrafter:
                 self._add_retrieval(trie, self.pld.trie(slot, root, budget, source=name), name)
         offered = [expected_length(t) for t in tries]  # what PLD offers each row
         regime = regime_of(sum(offered) / max(len(offered), 1))  # the gates' regime: the batch mean
-        self._step = _TimedStep(regime, set(slot_list), self.clock()) if self.gates else None
+        self._step = _TimedStep(regime, set(slot_list), self.clock()) if self.adaptive else None
         self.steps += 1
         # A trusted copy from the prompt: the datastore would add nodes, not tokens.
-        wants_rest = [offer < REGIME_EDGES[-1] for offer in offered]
+        wants_rest = [regime_of(offer) < TRUSTED_COPY for offer in offered]
         if self.rest is not None and any(wants_rest) and self._pays("rest", regime):
             start = self.clock()
             shallow = TreeBudget(budget.max_nodes, min(budget.max_depth, BASE_DRAFT_LEN), budget.topk)
@@ -259,14 +275,18 @@ class HybridDrafter:
                 if wants:
                     self._add_retrieval(trie, self.rest.trie(slot, root, shallow, source="rest"), "rest")
             self._drafted("rest", start)
-        if self.head is not None and self._pays(HEAD, regime):
+        if self.head is not None and regime < TRUSTED_COPY and self._pays(HEAD, regime):
             start = self.clock()
             head_tree = self.head.propose(slots, roots, _head_budget(budget, roots.device, self.head_depth))
             for b, trie in enumerate(tries):
                 self._add_head(trie, head_tree, b)
             self._drafted(HEAD, start)
         self.last_trie.update(zip(slot_list, tries))
-        return pack_trees(tries, budget, roots.device, self._min_score(roots.device))
+        tree = pack_trees(tries, budget, roots.device, self._min_score(roots.device, regime))
+        if self.pld is not None:  # PLD's copy flows on what survived the cut, not on what it drafted
+            for slot, trie in zip(slot_list, tries):
+                self.pld.proposed(slot, _kept_depth(trie, self.pld.drafted.get(slot, [])))
+        return tree
 
     def _pays(self, source: str, regime: int) -> bool:
         gate = self.gates.get(source)
@@ -281,13 +301,19 @@ class HybridDrafter:
         if self._step is not None:
             self._step.seconds[source] = self.clock() - start
 
-    def _min_score(self, device) -> float:
+    def _min_score(self, device, regime: int) -> float:
         """Nodes estimated below this acceptance are left out: on CPU each verified node costs
-        ~0.3-1 ms of a ~30 ms step (measured: 45.7 vs 44.0 tok/s over 13 Spec-Bench prompts
-        with 0.05 vs none); on a GPU a wider tree is nearly free."""
+        ~0.5-1.5 ms of a ~30-40 ms step, priced against the regime's measured tokens/s (see
+        SPEED_DECAY; a fixed 0.05 against none: 45.7 vs 44.0 tok/s over 13 Spec-Bench prompts);
+        on a GPU a wider tree is nearly free."""
         if self.min_score is not None:
             return self.min_score
-        return CPU_MIN_SCORE if torch.device(device).type == "cpu" else 0.0
+        if torch.device(device).type != "cpu":
+            return 0.0
+        tokens, seconds = self.speed.get(regime, (0.0, 0.0))
+        if seconds <= 0:
+            return CPU_MIN_SCORE
+        return min(self.node_cost.seconds * tokens / seconds, MAX_MIN_SCORE)
 
     # -- merging -----------------------------------------------------------------------------
     def _add_head(self, trie: CandidateTrie, tree: DraftTree, b: int) -> None:
@@ -366,6 +392,17 @@ def _only_nodes(trie: CandidateTrie | None, source: str) -> int:
     return sum(1 for i in kept if i and trie.sources[i] == {source})
 
 
+def _kept_depth(trie: CandidateTrie, path: list[int]) -> int:
+    """How many tokens of ``path`` (from the root) the packed tree kept."""
+    node, depth = 0, 0
+    for tok in path:
+        node = trie.child(node, tok)
+        if node is None or (trie.kept is not None and node not in trie.kept):
+            break
+        depth += 1
+    return depth
+
+
 def regime_of(expected_len: float) -> int:
     return sum(expected_len >= edge for edge in REGIME_EDGES)
 
@@ -397,8 +434,9 @@ def make_drafter(target, draft_head=None, head=None, datastore=None, use_pld: bo
     draft_head (or head): a trained head folder, or an already loaded head, e.g. EAGLE-3; None
     drafts from retrieval only. datastore: REST's datastore folder (None: the default one over
     the bundled prompts). use_pld / use_rest switch the retrieval sources off. adaptive False:
-    the head and REST draft every step (no gates). min_score: drop merged nodes estimated below it
-    (None: 0.05 on CPU, 0 elsewhere). head_depth: cap the head's draft levels.
+    the head and REST draft every step (no gates) outside a trusted copy. min_score: drop merged
+    nodes estimated below it (None: on CPU priced from the measured node cost and speed, else 0).
+    head_depth: cap the head's draft levels.
     """
     head = draft_head if draft_head is not None else head
     head_drafter = None

@@ -187,6 +187,12 @@ class PLDDrafter(HistoryTrieDrafter):
         self._forget(slot)
         super().release(slot)
 
+    def proposed(self, slot: int, n: int) -> None:
+        """Only the first ``n`` tokens of the best continuation were proposed (a merging drafter
+        cut the rest): accepting those is accepting the whole draft, so the copy still flows."""
+        if slot in self.drafted:
+            self.drafted[slot] = self.drafted[slot][:n]
+
     def flowing(self, slot: int) -> bool:
         """Whether this slot's copy flows: its last draft was accepted whole, so it drafts deeper."""
         return slot in self.reach
