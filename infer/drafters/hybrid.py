@@ -47,14 +47,11 @@ from .pld import BASE_DRAFT_LEN, CPU_LOOKUP_BUDGET, NO_FEATURES, CandidateTrie, 
 from .rest import RESTDrafter
 from .rest import make_drafter as make_rest
 
-CPU_MIN_SCORE = 0.05  # until the node's price below is measured
-# A node is worth verifying while its estimated acceptance p buys more than it costs: (tau + p) /
-# (T + c) > tau / T, i.e. p > c x tokens/s, with c = one more node's seconds (``NodeCost``) and
-# tokens/s the hybrid's own in the step's regime (decayed over about the last 10 steps). On the
-# 2-core CPU in bf16: c ~1.1-1.5 ms at 1,000-token contexts, so ~0.05 at 40 tok/s (open text)
-# and ~0.15 at 120 tok/s (a flowing copy, where PLD's guesses add nodes more than tokens).
-SPEED_DECAY = 0.9
-MAX_MIN_SCORE = 0.5  # never prune harder than this, whatever the measurements say
+# Nodes estimated below this acceptance are left out on CPU. Not priced online (p > one node's
+# seconds x tokens/s): that cut copies short, because alpha ** depth underestimates how a copy
+# that has run d tokens goes on (Spec-Bench extraction, same answers: tau 3.80 vs PLD's 5.08;
+# 26 questions: 2.04x vs PLD's 2.06x, runs/bench-s14-priced).
+CPU_MIN_SCORE = 0.05
 # What verifying one more tree node costs on the 2-core CPU in bf16 (24 -> 29 ms from 1 to 12
 # nodes at a 100-token context, 26 -> 37 ms at 1,000; float32 ~2-3 ms): charged to a gated
 # source for the nodes only it proposed, until ``NodeCost`` has measured it on the running machine.
@@ -193,11 +190,10 @@ class HybridDrafter:
         self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES
         self.estimate = AcceptanceEstimate()
         self.min_score, self.head_depth = min_score, head_depth
-        self.adaptive, self.clock = adaptive, clock
+        self.clock = clock
         costly = [name for name, d in ((HEAD, head_drafter), ("rest", rest)) if d is not None]
         self.gates = {name: SourceGate(clock=clock) for name in costly} if adaptive else {}
         self.node_cost = NodeCost()
-        self.speed: dict[int, np.ndarray] = {}  # regime -> decayed [tokens, seconds] of its steps
         self.head_steps = self.rest_steps = self.steps = 0  # how often each drafted (tests, bench notes)
         self.last_trie: dict[int, CandidateTrie] = {}  # slot -> the merged trie it last proposed
         self._step: _TimedStep | None = None
@@ -240,9 +236,6 @@ class HybridDrafter:
                 self._step = None
                 seconds = self.clock() - step.start
                 self.node_cost.add(step.nodes, seconds - sum(step.seconds.values()))
-                speed = self.speed.setdefault(step.regime, np.zeros(2))
-                speed *= SPEED_DECAY
-                speed += (step.tokens_on, seconds)
                 for name, gate in self.gates.items():
                     gate.node_seconds = self.node_cost.seconds
                     gate.record(step.regime, name in step.seconds, step.tokens_on, step.tokens_off[name],
@@ -264,7 +257,7 @@ class HybridDrafter:
                 self._add_retrieval(trie, self.pld.trie(slot, root, budget, source=name), name)
         offered = [expected_length(t) for t in tries]  # what PLD offers each row
         regime = regime_of(sum(offered) / max(len(offered), 1))  # the gates' regime: the batch mean
-        self._step = _TimedStep(regime, set(slot_list), self.clock()) if self.adaptive else None
+        self._step = _TimedStep(regime, set(slot_list), self.clock()) if self.gates else None
         self.steps += 1
         # A trusted copy from the prompt: the datastore would add nodes, not tokens.
         wants_rest = [regime_of(offer) < TRUSTED_COPY for offer in offered]
@@ -282,7 +275,7 @@ class HybridDrafter:
                 self._add_head(trie, head_tree, b)
             self._drafted(HEAD, start)
         self.last_trie.update(zip(slot_list, tries))
-        tree = pack_trees(tries, budget, roots.device, self._min_score(roots.device, regime))
+        tree = pack_trees(tries, budget, roots.device, self._min_score(roots.device))
         if self.pld is not None:  # PLD's copy flows on what survived the cut, not on what it drafted
             for slot, trie in zip(slot_list, tries):
                 self.pld.proposed(slot, _kept_depth(trie, self.pld.drafted.get(slot, [])))
@@ -301,19 +294,13 @@ class HybridDrafter:
         if self._step is not None:
             self._step.seconds[source] = self.clock() - start
 
-    def _min_score(self, device, regime: int) -> float:
+    def _min_score(self, device) -> float:
         """Nodes estimated below this acceptance are left out: on CPU each verified node costs
-        ~0.5-1.5 ms of a ~30-40 ms step, priced against the regime's measured tokens/s (see
-        SPEED_DECAY; a fixed 0.05 against none: 45.7 vs 44.0 tok/s over 13 Spec-Bench prompts);
-        on a GPU a wider tree is nearly free."""
+        ~0.5-1.5 ms of a ~30-40 ms step (measured: 45.7 vs 44.0 tok/s over 13 Spec-Bench prompts
+        with 0.05 vs none); on a GPU a wider tree is nearly free."""
         if self.min_score is not None:
             return self.min_score
-        if torch.device(device).type != "cpu":
-            return 0.0
-        tokens, seconds = self.speed.get(regime, (0.0, 0.0))
-        if seconds <= 0:
-            return CPU_MIN_SCORE
-        return min(self.node_cost.seconds * tokens / seconds, MAX_MIN_SCORE)
+        return CPU_MIN_SCORE if torch.device(device).type == "cpu" else 0.0
 
     # -- merging -----------------------------------------------------------------------------
     def _add_head(self, trie: CandidateTrie, tree: DraftTree, b: int) -> None:
@@ -435,7 +422,7 @@ def make_drafter(target, draft_head=None, head=None, datastore=None, use_pld: bo
     drafts from retrieval only. datastore: REST's datastore folder (None: the default one over
     the bundled prompts). use_pld / use_rest switch the retrieval sources off. adaptive False:
     the head and REST draft every step (no gates) outside a trusted copy. min_score: drop merged
-    nodes estimated below it (None: on CPU priced from the measured node cost and speed, else 0).
+    nodes estimated below it (None: 0.05 on CPU, 0 elsewhere).
     head_depth: cap the head's draft levels.
     """
     head = draft_head if draft_head is not None else head
