@@ -278,7 +278,7 @@ class HybridDrafter:
         tree = pack_trees(tries, budget, roots.device, self._min_score(roots.device))
         if self.pld is not None:  # PLD's copy flows on what survived the cut, not on what it drafted
             for slot, trie in zip(slot_list, tries):
-                self.pld.proposed(slot, _kept_depth(trie, self.pld.drafted.get(slot, [])))
+                self.pld.proposed(slot, trie)
         return tree
 
     def _pays(self, source: str, regime: int) -> bool:
@@ -377,17 +377,6 @@ def _only_nodes(trie: CandidateTrie | None, source: str) -> int:
         return 0
     kept = trie.kept if trie.kept is not None else range(1, len(trie.tokens))
     return sum(1 for i in kept if i and trie.sources[i] == {source})
-
-
-def _kept_depth(trie: CandidateTrie, path: list[int]) -> int:
-    """How many tokens of ``path`` (from the root) the packed tree kept."""
-    node, depth = 0, 0
-    for tok in path:
-        node = trie.child(node, tok)
-        if node is None or (trie.kept is not None and node not in trie.kept):
-            break
-        depth += 1
-    return depth
 
 
 def regime_of(expected_len: float) -> int:

@@ -187,11 +187,18 @@ class PLDDrafter(HistoryTrieDrafter):
         self._forget(slot)
         super().release(slot)
 
-    def proposed(self, slot: int, n: int) -> None:
-        """Only the first ``n`` tokens of the best continuation were proposed (a merging drafter
-        cut the rest): accepting those is accepting the whole draft, so the copy still flows."""
+    def proposed(self, slot: int, packed: CandidateTrie) -> None:
+        """A merging drafter packed this slot's draft into ``packed`` and cut it there: only the
+        part of the best continuation the tree kept was proposed, and accepting that part is
+        accepting the whole draft, so the copy still flows."""
+        node, kept = 0, 0
+        for tok in self.drafted.get(slot, []):
+            node = packed.child(node, tok)
+            if node is None or (packed.kept is not None and node not in packed.kept):
+                break
+            kept += 1
         if slot in self.drafted:
-            self.drafted[slot] = self.drafted[slot][:n]
+            self.drafted[slot] = self.drafted[slot][:kept]
 
     def flowing(self, slot: int) -> bool:
         """Whether this slot's copy flows: its last draft was accepted whole, so it drafts deeper."""
