@@ -20,11 +20,12 @@ class LLM:
     ``target``: a name or folder for ``load_target`` or an already loaded ``Target``.
     ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
     ``dtype`` None: an already loaded target runs in its own dtype, a name loads in float32.
+    ``prefix_cache_mb`` > 0: prompts sharing a prefix with earlier ones reuse its K/V (off by default).
     """
 
     def __init__(self, target="smollm2-135m", method: str = "plain", head=None, dtype: str | None = None,
                  max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
-                 prefill_chunk: int | None = None, **drafter_opts):
+                 prefill_chunk: int | None = None, prefix_cache_mb: float = 0, **drafter_opts):
         from specdec.infer.drafters import make_drafter
         from specdec.infer.engine import Engine
         from specdec.infer.target import Target, load_target
@@ -35,7 +36,8 @@ class LLM:
         self.method = method
         self.drafter = make_drafter(method, self.target, head=head, **drafter_opts)
         self.engine = Engine(self.target, self.drafter, max_batch=max_batch, max_len=max_len, dtype=dtype,
-                             device=device, prefill_chunk=prefill_chunk)
+                             device=device, prefill_chunk=prefill_chunk,
+                             prefix_cache_bytes=int(prefix_cache_mb * 2**20))
         self._next_id = 0
 
     @property

@@ -42,6 +42,18 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers())
 
+    def copy_out(self, slot: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Copies of a row's first ``length`` positions: per layer [kv_heads, length, head_dim]."""
+        return ([k[slot, :, :length].clone() for k in self.k], [v[slot, :, :length].clone() for v in self.v])
+
+    def copy_in(self, slot: int, keys: list[Tensor], values: list[Tensor], length: int) -> None:
+        """Write the first ``length`` positions of ``keys`` / ``values`` (as copy_out gives them)
+        into a row's positions 0 .. length-1."""
+        if length > self.max_len:
+            raise CacheFullError(f"a prefix of {length} tokens does not fit max_len={self.max_len}")
+        for dst, src in zip(self.layers(), [t for pair in zip(keys, values) for t in pair]):
+            dst[slot, :, :length] = src[:, :length]
+
 
 class SlotAllocator:
     """Hands out cache rows; the lowest free slot first so active rows stay packed together

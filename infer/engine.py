@@ -21,6 +21,7 @@ import torch
 from specdec.heads.tree import DraftTree, TreeBudget, default_budget
 from specdec.infer import sampling, verify
 from specdec.infer.cache import CacheFullError, SlotAllocator, padding_groups
+from specdec.infer.prefix_cache import PrefixCache
 from specdec.infer.requests import Request, RequestOutput, SamplingParams
 from specdec.infer.runner import TargetRunner
 
@@ -42,6 +43,7 @@ class StepStats:
     batch_size: int = 0          # sequences verified (decode rows)
     tokens_verified: int = 0     # valid tree nodes scored by the target, roots included
     prefill_tokens: int = 0      # prompt tokens run this step
+    cached_tokens: int = 0       # prompt tokens copied from the prefix cache instead
     seconds: float = 0.0
     decode_seconds: float = 0.0  # of which drafting + verification + commit (no prefill)
     accepted: dict = field(default_factory=dict)  # request id -> accepted draft tokens
@@ -54,10 +56,12 @@ class Engine:
 
     prefill_chunk: at most this many prompt tokens are prefilled per step (None: whole prompts),
     so a long new prompt does not stall the running sequences.
+    prefix_cache_bytes: keep prefilled prompts' K/V up to this size and reuse the longest common
+    prefix for later prompts (``infer/prefix_cache.py``; 0: off).
     """
 
     def __init__(self, target, drafter=None, max_batch: int = 8, max_len: int = 2048, dtype=None,
-                 device=None, prefill_chunk: int | None = None, impl: str = "auto"):
+                 device=None, prefill_chunk: int | None = None, impl: str = "auto", prefix_cache_bytes: int = 0):
         self.target, self.drafter = target, drafter
         spec = drafter.feature_spec if drafter is not None else None
         self.runner = TargetRunner(target, max_batch, max_len, dtype, device, feature_spec=spec, impl=impl)
@@ -65,6 +69,7 @@ class Engine:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.slots = SlotAllocator(max_batch)
         self.eos_ids = set(target.eos_token_ids)
         self.waiting: list[Request] = []
@@ -112,7 +117,7 @@ class Engine:
         """One engine iteration; returns one output (a delta) per request that advanced."""
         t0 = time.perf_counter()
         stats = StepStats()
-        self._admit()
+        self._admit(stats)
         decoding = [r for r in self.running.values() if r.root is not None]
         prefilling = [r for r in self.running.values() if r.root is None]
         outputs = self._prefill(prefilling, stats) if prefilling else []
@@ -124,11 +129,32 @@ class Engine:
         self.last_step = stats
         return outputs
 
-    def _admit(self) -> None:
+    def _admit(self, stats: StepStats) -> None:
         while self.waiting and len(self.slots):
             r = self.waiting.pop(0)
             r.slot, r.t_start = self.slots.allocate(), time.perf_counter()
             self.running[r.id] = r
+            if self.prefix_cache is not None:
+                stats.cached_tokens += self._reuse_prefix(r)
+
+    def _reuse_prefix(self, r: Request) -> int:
+        """Copy the longest cached prefix of r's prompt into its slot. -> tokens reused."""
+        hit = self.prefix_cache.lookup(r.prompt)
+        if hit is None:
+            return 0
+        entry, n = hit.entry, hit.length
+        self.runner.cache.copy_in(r.slot, entry.keys, entry.values, n)
+        if self.drafter is not None:
+            r.prompt_features.append({k: v[:n] for k, v in entry.features.items()})
+        r.prefilled = r.cached = n
+        return n
+
+    def _remember_prompt(self, r: Request, features: dict | None) -> None:
+        """Copy a just-prefilled prompt's K/V (and its features) into the prefix cache."""
+        cache = self.prefix_cache
+        if cache is not None and len(r.prompt) > cache.min_tokens and tuple(r.prompt) not in cache.entries:
+            keys, values = self.runner.cache.copy_out(r.slot, len(r.prompt))
+            cache.store(r.prompt, keys, values, features)
 
     def _prefill(self, reqs: list[Request], stats: StepStats) -> list[RequestOutput]:
         """Prefill (a chunk of) each new prompt; a finished prefill samples the first token."""
@@ -158,10 +184,12 @@ class Engine:
                 r.prompt_features.append(feats[b])
             if r.prefilled < len(r.prompt):
                 continue
+            joined = None
             if self.drafter is not None:
                 joined = {k: torch.cat([f[k] for f in r.prompt_features]) for k in r.prompt_features[0]}
                 self.drafter.prefill(r.slot, torch.tensor(r.prompt, device=self.device), joined)
                 r.prompt_features = []
+            self._remember_prompt(r, joined)
             r.kv_len = len(r.prompt)
             r.root = self._first_token(r, logits[b])
             outputs.append(self._emit(r, [r.root]))

@@ -69,6 +69,7 @@ class Request:
         self.id, self.prompt, self.params, self.tokenizer = request_id, prompt, params, tokenizer
         self.slot: int | None = None
         self.prefilled = 0                 # prompt tokens whose K/V are in the cache
+        self.cached = 0                    # of which copied from the prefix cache
         self.prompt_features: list[dict] = []  # per prefill chunk, until the drafter gets them
         self.unfed: list[tuple] = []       # plain steps not yet committed to the drafter (Engine._feed)
         self.kv_len = 0                    # committed tokens in the cache
@@ -147,4 +148,4 @@ class Request:
         steps = len(self.accepted)
         tau = sum(a + 1 for a in self.accepted) / steps if steps else 1.0
         return {"steps": steps, "accepted_per_step": list(self.accepted), "tau": tau,
-                "new_tokens": len(self.out), "seconds": seconds, "tokens_per_s": len(self.out) / seconds}
+                "cached_prompt_tokens": self.cached, "new_tokens": len(self.out), "seconds": seconds, "tokens_per_s": len(self.out) / seconds}

@@ -180,12 +180,13 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServerConfig, sampling_p
     def usage(handle: RequestHandle) -> dict:
         n = len(handle.prompt_ids)
         return {"prompt_tokens": n, "completion_tokens": handle.tokens, "total_tokens": n + handle.tokens,
+                "prompt_tokens_details": {"cached_tokens": handle.cached_tokens},  # OpenAI's field
                 "speculation": handle.speculation()}
 
     def record(handle, endpoint, outcome):
         ttft = None if handle.first_token_at is None else handle.first_token_at - handle.created
         metrics.on_finish(endpoint, outcome, len(handle.prompt_ids), handle.tokens,
-                          time.monotonic() - handle.created, ttft)
+                          time.monotonic() - handle.created, ttft, handle.cached_tokens)
 
     async def pieces(handle: RequestHandle):
         """(text, finish_reason or None) as tokens arrive (the engine applies stop strings and eos)."""

@@ -29,7 +29,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
               cost_profile: str | None = None, max_queue: int = 256, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None,
               default_max_tokens: int = 256,
-              prefill_chunk: int | None = 512, drafter_opts: dict | None = None):
+              prefill_chunk: int | None = 512, prefix_cache_mb: float = 1024, drafter_opts: dict | None = None):
     """Engine + controller + scheduler + FastAPI app for ``target`` (a Target or a name).
 
     The budget grid (``spec_nodes`` / ``spec_depth`` / ``spec_topk``) defaults to the drafter's
@@ -54,7 +54,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
         if drafter is not None:  # lets the controller read each tree's confidence (its scores)
             drafter = ConfidenceTap(drafter)
         return Engine(target, drafter, max_batch=max_batch, max_len=max_len, dtype=dtype, device=device,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, prefix_cache_bytes=int(prefix_cache_mb * 2**20))
 
     torch_thread = TorchThread()  # every torch call on one thread (see TorchThread)
     engine = torch_thread.call(build_engine)
@@ -125,6 +125,10 @@ def parse_args(argv=None):
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens prefilled per step, so long prompts do not stall running requests")
+    p.add_argument("--prefix-cache-mb", type=float, default=1024,
+                   help="memory for prefilled prompts' K/V: a prompt that starts like an earlier one (a shared "
+                        "system prompt, the next turn of a chat) reuses that prefix instead of prefilling it "
+                        "again, as vLLM's and SGLang's prefix caching do (0: off; default 1024)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 400 (default: max-len - 1)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
@@ -174,7 +178,7 @@ def main(argv=None) -> int:
                         max_queue=args.max_queue, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         default_max_tokens=args.default_max_tokens,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"specdec-serve: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,8 @@ class ServerMetrics:
         self.requests = Counter(p + "requests", "Requests finished, by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_tokens = Counter(p + "prefix_cache_hit_tokens",
+                                     "Prompt tokens whose K/V came from the prefix cache", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.accepted_tokens = Counter(p + "spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.decode_steps = Counter(p + "decode_steps", "Per-request decoding steps (tokens added per step = tau)",
@@ -84,9 +86,10 @@ class ServerMetrics:
         self.running.set(running)
 
     def on_finish(self, endpoint: str, outcome: str, prompt_tokens: int, completion_tokens: int,
-                  latency: float, ttft: float | None) -> None:
+                  latency: float, ttft: float | None, cached_tokens: int = 0) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(latency)
         if ttft is not None:

@@ -45,6 +45,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     accepted: int = 0  # draft tokens accepted in this step
     error: str | None = None
+    cached_tokens: int = 0  # on the finishing delta: prompt tokens the prefix cache supplied
 
 
 @dataclass
@@ -61,6 +62,7 @@ class RequestHandle:
     accepted: int = 0  # draft tokens accepted over the request
     decode_steps: int = 0  # steps that added tokens (tau = tokens / decode_steps)
     budget_nodes: int = 0  # sum of draft nodes chosen for it, for the mean budget
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     finished: bool = False
 
     async def deltas(self):
@@ -72,6 +74,7 @@ class RequestHandle:
                 self.tokens += len(delta.token_ids)
                 self.decode_steps += 1
                 self.accepted += delta.accepted
+            self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
             self.finished = delta.finished
             yield delta
 
@@ -284,7 +287,8 @@ class Scheduler:
             if out.request_id in used:
                 handle.budget_nodes += used[out.request_id].max_nodes
             delta = Delta(ids, out.new_text, out.finished, out.finish_reason if out.finished else None,
-                          accepted=obs.accepted.get(out.request_id, 0))
+                          accepted=obs.accepted.get(out.request_id, 0),
+                          cached_tokens=int(out.stats.get("cached_prompt_tokens", 0)) if out.finished else 0)
             if out.finished:
                 self._running.pop(out.request_id)
                 self._release(out.request_id)

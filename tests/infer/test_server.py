@@ -243,6 +243,30 @@ def test_metrics_report_speculation_and_latency(server, client):
         assert name in text, name
 
 
+def test_a_repeated_prompt_reuses_its_prefix(server, client):
+    """Prefix caching is on by default: the same long prompt again is prefilled from its last
+    token only, says usage.prompt_tokens_details (OpenAI's field) and /metrics, with the same text."""
+    prompt = "You are a careful assistant. Answer briefly and precisely. " * 3 + "What is a prefix?"
+
+    def ask():
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.usage
+
+    def hit_tokens():
+        text = httpx.get(server[1] + "/metrics", headers=auth()).text
+        return float(next(ln.split()[-1] for ln in text.splitlines()
+                          if ln.startswith("specdec_prefix_cache_hit_tokens_total")))
+
+    before = hit_tokens()
+    first, usage1 = ask()
+    second, usage2 = ask()
+    assert second == first
+    assert usage2.prompt_tokens_details.cached_tokens == usage2.prompt_tokens - 1 > 16
+    assert usage1.prompt_tokens_details.cached_tokens < usage2.prompt_tokens_details.cached_tokens
+    assert hit_tokens() - before >= usage2.prompt_tokens - 1
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_target):
     """The first SIGTERM refuses new requests (503) but lets running streams finish, then exits."""
     from specdec.infer.server.cli import build_app, make_server

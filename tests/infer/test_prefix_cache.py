@@ -1,0 +1,97 @@
+"""Automatic prefix caching: a prompt that starts like an earlier one reuses its K/V and features."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.heads.tree import TreeBudget
+from specdec.infer.engine import Engine
+from specdec.infer.prefix_cache import PrefixCache
+from specdec.infer.requests import SamplingParams
+
+from .test_engine import record_prefills, run
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+SYSTEM = list(range(40, 90))  # a shared 50-token "system prompt"
+PROMPTS = {"a": SYSTEM + [7, 8, 9], "b": SYSTEM + [7, 8, 9], "c": SYSTEM + [7, 8, 9, 10, 11], "d": SYSTEM[:30] + [5] * 9}
+
+
+def kv(n: int, fill: float = 1.0) -> tuple[list, list]:
+    return [torch.full((2, n, 4), fill)], [torch.full((2, n, 4), fill)]
+
+
+def test_longest_prefix_wins_and_the_last_token_is_always_prefilled():
+    cache = PrefixCache(max_bytes=1 << 20, min_tokens=4)
+    assert cache.min_tokens == 16  # never below the index key's length
+    short, long = list(range(20)), list(range(30))
+    cache.store(short, *kv(20, 1.0))
+    cache.store(long, *kv(30, 2.0))
+    hit = cache.lookup(list(range(25)) + [99])
+    assert hit.length == 25 and hit.entry.keys[0][0, 0, 0] == 2.0  # the longer common prefix
+    assert cache.lookup(list(range(30))).length == 29  # an identical prompt: all but its last token
+    assert cache.lookup(list(range(10)) + [99] * 20) is None  # a common prefix under 16 tokens
+    assert cache.lookup([1] + list(range(1, 30))) is None
+    assert not cache.store(long, *kv(30))  # already there
+    assert (cache.hits, cache.hit_tokens, cache.lookups) == (2, 54, 4)
+
+
+def test_least_recently_used_prompts_go_first_to_stay_under_the_budget():
+    entry_bytes = 2 * 2 * 20 * 4 * 4  # K and V of 20 tokens, float32
+    cache = PrefixCache(max_bytes=2 * entry_bytes)
+    first, second, third = ([k] * 20 for k in (1, 2, 3))
+    cache.store(first, *kv(20))
+    cache.store(second, *kv(20))
+    assert cache.lookup(first + [0]).length == 20  # first is now the most recently used
+    cache.store(third, *kv(20))
+    assert cache.lookup(second + [0]) is None and cache.lookup(first + [0]) is not None
+    assert len(cache) == 2 and cache.nbytes == 2 * entry_bytes
+    assert not cache.store(list(range(200)), *kv(200))  # larger than the whole cache
+    with pytest.raises(ValueError):
+        PrefixCache(0)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_target):
+    """Each prompt decoded on its own engine, no prefix cache: the reference."""
+    return {rid: run(Engine(tiny_target, None, max_batch=1, max_len=256), {rid: p}, GREEDY)[rid].token_ids
+            for rid, p in PROMPTS.items()}
+
+
+def test_cached_prefixes_are_lossless_and_skip_their_prefill(tiny_target, alone):
+    engine = Engine(tiny_target, None, max_batch=2, max_len=256, prefix_cache_bytes=1 << 24)
+    calls = record_prefills(engine)
+    outs = {rid: run(engine, {rid: p}, GREEDY)[rid] for rid, p in PROMPTS.items()}  # one after another
+    for rid, out in outs.items():
+        assert out.token_ids == alone[rid], rid
+    cached = {rid: out.stats["cached_prompt_tokens"] for rid, out in outs.items()}
+    assert cached == {"a": 0, "b": 52, "c": 53, "d": 30}
+    # what was prefilled: all of a; b's last token; c's 2 new tokens; d past the shared 30
+    assert [c[0] for c in calls] == [(53, 0), (1, 52), (2, 53), (9, 30)]
+
+
+def test_a_drafter_gets_the_same_prompt_features_from_the_cache(tiny_target, alone):
+    """EAGLE-3 drafts from the target's features of every prompt token: a cached prefix must hand
+    over the features its first prefill computed, and drafting stays lossless."""
+    from specdec.heads import get_head_class
+
+    torch.manual_seed(0)
+    head = get_head_class("eagle3").from_target(tiny_target).eval()
+
+    def serve(cache_bytes):
+        drafter = head.new_drafter(tiny_target)
+        seen = {}
+        prefill = drafter.prefill
+        drafter.prefill = lambda slot, ids, feats: seen.update({len(seen): feats}) or prefill(slot, ids, feats)
+        engine = Engine(tiny_target, drafter, max_batch=2, max_len=256, prefix_cache_bytes=cache_bytes)
+        outs = {rid: run(engine, {rid: p}, GREEDY, budget=TreeBudget(8, 4, 2))[rid] for rid, p in PROMPTS.items()}
+        return outs, seen
+
+    cached, seen_cached = serve(1 << 24)
+    fresh, seen_fresh = serve(0)
+    assert [o.stats["cached_prompt_tokens"] for o in cached.values()] == [0, 52, 53, 30]
+    for rid in PROMPTS:
+        assert cached[rid].token_ids == fresh[rid].token_ids == alone[rid], rid
+    for i in seen_fresh:
+        assert seen_cached[i].keys() == seen_fresh[i].keys() and seen_fresh[i]
+        for name in seen_fresh[i]:
+            torch.testing.assert_close(seen_cached[i][name], seen_fresh[i][name], rtol=1e-4, atol=1e-5)
