@@ -142,6 +142,31 @@ class ReDrafterHead(DraftHead):
             raise ValueError(f"beam_width must be >= 1, got {width}")
         return ReDrafterDrafter(self, width)
 
+    # --- export (heads/export_common.py) ----------------------------------------------------------
+    def _export_trtllm(self, out_dir, target):
+        """Apple's drafter folder, which TensorRT-LLM's examples/redrafter/convert_checkpoint.py
+        reads as --drafter_model_dir (config.json: hidden_size, exit_dim, num_draft_layers, rnn;
+        model.safetensors: input_proj.* only when exit_dim != 2 * hidden_size, lm_head.{j}.linear.*,
+        lm_head.{L}.weight, rnn_u.*, rnn_w.weight) and Apple's recurrent_drafting loads as its
+        DrafterConfig / Drafter. The names are already Apple's; exit_dim is written out."""
+        from . import export_common as ex
+
+        c = self.config
+        tensors = self.saved_state_dict()
+        config = {"model_type": "recurrent_drafting_drafter", "vocab_size": c.vocab_size,
+                  "hidden_size": c.hidden_size, "exit_dim": c.exit_dim or 2 * c.hidden_size,
+                  "num_draft_layers": c.num_draft_layers, "num_lookback_tokens": -1, "rnn": c.rnn,
+                  "torch_dtype": ex.dtype_name(tensors)}
+        usage = ("python TensorRT-LLM/examples/redrafter/convert_checkpoint.py --model_dir <verifier> \\\n"
+                 "  --drafter_model_dir <draft> --output_dir tllm_redrafter --dtype bfloat16 \\\n"
+                 f"  --redrafter_num_beams {c.beam_width} --redrafter_draft_len_per_beam {c.next_n}\n"
+                 "trtllm-build --checkpoint_dir tllm_redrafter --output_dir redrafter_engine \\\n"
+                 "  --speculative_decoding_mode explicit_draft_tokens")
+        notes = [f"Draft at most {c.next_n} tokens per beam (redrafter_draft_len_per_beam): the head "
+                 "was trained that far ahead.",
+                 "TensorRT-LLM's converter builds the verifier as a Llama (LlamaForCausalLM)."]
+        return ex.write_export(out_dir, self, target, "trtllm", config, tensors, usage=usage, notes=notes)
+
 
 class ReDrafterDrafter(LastHiddenDrafter):
     def __init__(self, head: ReDrafterHead, beam_width: int):

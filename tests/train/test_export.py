@@ -17,7 +17,7 @@ from specdec.train.export.cli import main
 
 # The matrix: which engine formats each head type must be written in.
 REQUIRED = {"eagle3": ["sglang", "speculators", "vllm"], "eagle": ["sglang", "vllm"],
-            "medusa": ["tgi", "vllm"], "mlp_speculator": ["tgi", "vllm"]}
+            "medusa": ["tgi", "vllm"], "mlp_speculator": ["tgi", "vllm"], "redrafter": ["trtllm"]}
 
 
 def build(head_type: str, target, **fields):
@@ -283,6 +283,37 @@ def test_mlp_speculator_layout(tie, tiny_target, tmp_path):
     scaled = build("mlp_speculator", tiny_target, scale_input=True)
     with pytest.raises(ExportError, match="scale_input"):
         scaled.export("tgi", tmp_path / "s", tiny_target)
+
+
+# --------------------------------------------------------------------------- ReDrafter
+@pytest.mark.parametrize("exit_dim", [0, 48])
+def test_redrafter_trtllm_layout_round_trip(exit_dim, tiny_target, tmp_path):
+    head = build("redrafter", tiny_target, exit_dim=exit_dim, num_draft_layers=2)
+    H, V = 64, 320
+    E = exit_dim or 2 * H
+    out = head.export("trtllm", tmp_path / "t", tiny_target)
+    # TensorRT-LLM examples/redrafter/convert_checkpoint.py (hf_drafter): input_proj.weight/bias
+    # iff hidden_size * 2 != exit_dim, lm_head.{j}.linear.weight/bias for j < num_draft_layers,
+    # lm_head.{num_draft_layers}.weight, rnn_u.weight/bias + rnn_w.weight iff rnn; its config
+    # reads hidden_size, exit_dim, num_draft_layers, rnn (Apple's DrafterConfig, model_type
+    # recurrent_drafting_drafter).
+    expect = {"lm_head.2.weight": (V, E), "rnn_u.weight": (H, H), "rnn_u.bias": (H,), "rnn_w.weight": (H, H)}
+    for j in range(2):
+        expect |= {f"lm_head.{j}.linear.weight": (E, E), f"lm_head.{j}.linear.bias": (E,)}
+    if E != 2 * H:
+        expect |= {"input_proj.weight": (E, 2 * H), "input_proj.bias": (E,)}
+    t = weights(out)
+    assert shapes(t) == expect
+    cfg = config(out)
+    assert {k: cfg[k] for k in ("model_type", "hidden_size", "vocab_size", "exit_dim", "num_draft_layers", "rnn")} \
+        == {"model_type": "recurrent_drafting_drafter", "hidden_size": H, "vocab_size": V, "exit_dim": E,
+            "num_draft_layers": 2, "rnn": True}
+    assert "--drafter_model_dir" in (out / "README.md").read_text()
+    back = get_head_class("redrafter")(head.config)  # the export's tensors drive the same head
+    back.load_state_dict(t, strict=False)
+    h, s = torch.randn(5, H), torch.randn(5, H)
+    with torch.no_grad():
+        assert torch.equal(back.exit_features(h, back.next_state(s, h)), head.exit_features(h, head.next_state(s, h)))
 
 
 # --------------------------------------------------------------------------- the CLI

@@ -18,7 +18,7 @@ from specdec.heads import get_head_class, head_types, load_head
 from specdec.heads.base import read_head_config
 from specdec.heads.export_common import EVAL_FILE, RECIPE_FILE, ExportError, write_card
 
-ENGINE_FORMATS = ("vllm", "sglang", "tgi", "speculators")
+ENGINE_FORMATS = ("vllm", "sglang", "tgi", "speculators", "trtllm")
 # Training records a head folder may carry (the trainer writes eval.json and recipe.yaml into
 # <output.dir>/final/), copied into the export under the names the model card reads.
 RECORDS = {EVAL_FILE: (EVAL_FILE,), RECIPE_FILE: (RECIPE_FILE, "recipe.yaml")}

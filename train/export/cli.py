@@ -1,4 +1,4 @@
-"""``specdec-export HEAD_DIR --format vllm|sglang|tgi|speculators --out DIR``."""
+"""``specdec-export HEAD_DIR --format vllm|sglang|tgi|speculators|trtllm --out DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,8 @@ formats (the folder loads in the engine as it is; README.md in it says how):
   sglang       EAGLE-3 (LlamaForCausalLMEagle3, midlayer.*), EAGLE (LlamaForCausalLMEagle)
   tgi          Medusa (medusa_lm_head.safetensors), MLPSpeculator (MLPSpeculatorPreTrainedModel)
   speculators  EAGLE-3 (same folder as vllm; loads with speculators' SpeculatorModel)
+  trtllm       ReDrafter (Apple's drafter folder: TensorRT-LLM's examples/redrafter converter and
+               Apple's recurrent_drafting read it)
 
 the export also carries specdec.json (provenance), and eval.json / recipe.resolved.yaml when the
 head folder has them (the trainer's final/ does); specdec-push uploads it to the Hugging Face Hub.
