@@ -156,6 +156,25 @@ class Engine:
             keys, values = self.runner.cache.copy_out(r.slot, len(r.prompt))
             cache.store(r.prompt, keys, values, features)
 
+    def _remember_sequence(self, r: Request) -> None:
+        """Cache a finished sequence (prompt + the output whose K/V is in its slot) in place of its
+        prompt: the next turn of a chat re-sends both."""
+        cache = self.prefix_cache
+        n = min(r.kv_len, len(r.prompt) + len(r.out))  # tokens past eos or a stop were never emitted
+        if cache is None or n <= max(len(r.prompt), cache.min_tokens):
+            return
+        features = None
+        if self.drafter is not None:  # the prompt's, each commit's, then the plain steps not yet fed
+            if r.kept_features is None:
+                return
+            parts = r.kept_features + [{k: f[k][b:b + 1] for k in f} for f, b, _ in r.unfed]
+            features = {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
+            if any(len(v) < n for v in features.values()):
+                return
+        keys, values = self.runner.cache.copy_out(r.slot, n)
+        cache.discard(r.prompt)
+        cache.store((r.prompt + r.out)[:n], keys, values, features)
+
     def _prefill(self, reqs: list[Request], stats: StepStats) -> list[RequestOutput]:
         """Prefill (a chunk of) each new prompt; a finished prefill samples the first token."""
         budget = self.prefill_chunk or sum(len(r.prompt) for r in reqs)
@@ -189,6 +208,8 @@ class Engine:
                 joined = {k: torch.cat([f[k] for f in r.prompt_features]) for k in r.prompt_features[0]}
                 self.drafter.prefill(r.slot, torch.tensor(r.prompt, device=self.device), joined)
                 r.prompt_features = []
+                if self.prefix_cache is not None:  # the finished sequence is cached with its features
+                    r.kept_features = [joined]
             self._remember_prompt(r, joined)
             r.kv_len = len(r.prompt)
             r.root = self._first_token(r, logits[b])
@@ -234,7 +255,10 @@ class Engine:
             elif self.drafter is not None:
                 nodes = path[b, :n_list[b] + 1]                                  # [n+1] root first
                 committed = tree.tokens[b, nodes]  # _draft fed the row's plain steps before it drafted
-                self.drafter.commit(r.slot, committed, {k: v[b, nodes] for k, v in feats.items()})
+                row_feats = {k: v[b, nodes] for k, v in feats.items()}
+                self.drafter.commit(r.slot, committed, row_feats)
+                if r.kept_features is not None:
+                    r.kept_features.append(row_feats)
                 drafts = committed[1:].tolist()
             r.kv_len += n_list[b] + 1
             r.root = bonus_list[b]
@@ -256,6 +280,8 @@ class Engine:
         feats = {k: torch.stack([f[k][b] for f, b, _ in r.unfed]) for k in r.unfed[0][0]}
         r.unfed.clear()
         self.drafter.commit(r.slot, tokens, feats)
+        if r.kept_features is not None:
+            r.kept_features.append(feats)
 
     def _budget_for(self, r: Request, budget) -> TreeBudget:
         chosen = budget.get(r.id) if isinstance(budget, dict) else budget
@@ -332,6 +358,7 @@ class Engine:
         out = r.append(new_tokens, self.eos_ids, reason)
         if r.finished:
             self.running.pop(r.id, None)
+            self._remember_sequence(r)
             self._release(r)
         return out
 

@@ -4,9 +4,9 @@ vLLM and SGLang do this by default (block hashes, a radix tree): chat traffic re
 prompts, few-shot examples and whole conversations (turn 2 re-sends turn 1). Our KV cache gives
 every sequence its own preallocated row, so the cache here keeps *copies*: when a prompt's
 prefill ends, its K/V (and the drafter's features of its tokens, when the drafter takes any)
-are copied out; a later prompt with the longest common prefix of at least ``min_tokens`` gets
-that prefix copied into its row and is prefilled from there. Copying the 330-token K/V of a
-Spec-Bench prompt costs ~1 ms on the 2-core CPU; prefilling it ~300 ms.
+are copied out, and when the sequence finishes, its prompt + output replace them (the next turn
+of a chat re-sends both); a later prompt with the longest common prefix of at least
+``min_tokens`` gets that prefix copied into its row and is prefilled from there.
 
 At least the prompt's last token is always prefilled: its logits pick the first output token.
 Entries are evicted least recently used first, to stay under ``max_bytes``.
@@ -90,6 +90,13 @@ class PrefixCache:
         self.by_key.setdefault(name[:KEY_TOKENS], []).append(name)
         self.nbytes += nbytes
         return True
+
+    def discard(self, prompt: list[int]) -> None:
+        """Drop the entry of exactly ``prompt`` (superseded by a longer one), if any."""
+        name = tuple(prompt)
+        if name in self.entries:
+            self.entries.move_to_end(name, last=False)
+            self._evict()
 
     def _evict(self) -> None:
         name, entry = self.entries.popitem(last=False)

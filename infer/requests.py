@@ -72,6 +72,7 @@ class Request:
         self.cached = 0                    # of which copied from the prefix cache
         self.prompt_features: list[dict] = []  # per prefill chunk, until the drafter gets them
         self.unfed: list[tuple] = []       # plain steps not yet committed to the drafter (Engine._feed)
+        self.kept_features: list[dict] | None = None  # with a prefix cache: every commit's features
         self.kv_len = 0                    # committed tokens in the cache
         self.root: int | None = None
         self.out: list[int] = []

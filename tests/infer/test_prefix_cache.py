@@ -95,3 +95,40 @@ def test_a_drafter_gets_the_same_prompt_features_from_the_cache(tiny_target, alo
         assert seen_cached[i].keys() == seen_fresh[i].keys() and seen_fresh[i]
         for name in seen_fresh[i]:
             torch.testing.assert_close(seen_cached[i][name], seen_fresh[i][name], rtol=1e-4, atol=1e-5)
+
+
+def test_the_next_turn_reuses_the_whole_previous_turn(tiny_target):
+    """A finished sequence is cached as prompt + output with every token's features, plain
+    steps and drafted ones alike, so turn 2 (turn 1 + its reply + a new message) prefills only
+    the new message and drafts from exactly the features a fresh prefill computes."""
+    from specdec.heads import get_head_class
+
+    torch.manual_seed(0)
+    head = get_head_class("eagle3").from_target(tiny_target).eval()
+    turn1 = SYSTEM + [7, 8, 9]
+
+    def decode(engine, rid, prompt):
+        engine.add_request(rid, prompt, GREEDY)
+        step, final = 0, None
+        while engine.has_unfinished():  # plain and drafting steps in turn: both reach the cache
+            for out in engine.step(TreeBudget(8, 4, 2) if step % 2 else TreeBudget(0, 0, 0)):
+                final = out if out.finished else final
+            step += 1
+        return final
+
+    def conversation(cache_bytes):
+        drafter = head.new_drafter(tiny_target)
+        seen = []
+        prefill = drafter.prefill
+        drafter.prefill = lambda slot, ids, feats: seen.append(feats) or prefill(slot, ids, feats)
+        engine = Engine(tiny_target, drafter, max_batch=1, max_len=256, prefix_cache_bytes=cache_bytes)
+        first = decode(engine, "t1", turn1)
+        turn2 = turn1 + first.token_ids + [11, 12, 13]
+        return first, decode(engine, "t2", turn2), seen, len(engine.prefix_cache or [])
+
+    (first, second, seen, entries), (first0, second0, seen0, _) = conversation(1 << 24), conversation(0)
+    assert first.token_ids == first0.token_ids and second.token_ids == second0.token_ids
+    assert len(turn1) + 15 <= second.stats["cached_prompt_tokens"] <= len(turn1) + 16
+    assert entries == 2  # turn 1 as prompt + reply (its prompt alone dropped), turn 2 the same
+    for name in seen0[1]:
+        torch.testing.assert_close(seen[1][name], seen0[1][name], rtol=1e-4, atol=1e-5)
