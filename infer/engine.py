@@ -151,17 +151,15 @@ class Engine:
 
     def _remember_prompt(self, r: Request, features: dict | None) -> None:
         """Copy a just-prefilled prompt's K/V (and its features) into the prefix cache."""
-        cache = self.prefix_cache
-        if cache is not None and len(r.prompt) > cache.min_tokens and tuple(r.prompt) not in cache.entries:
-            keys, values = self.runner.cache.copy_out(r.slot, len(r.prompt))
-            cache.store(r.prompt, keys, values, features)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(r.prompt, lambda: self.runner.cache.copy_out(r.slot, len(r.prompt)), features)
 
     def _remember_sequence(self, r: Request) -> None:
         """Cache a finished sequence (prompt + the output whose K/V is in its slot) in place of its
         prompt: the next turn of a chat re-sends both."""
         cache = self.prefix_cache
         n = min(r.kv_len, len(r.prompt) + len(r.out))  # tokens past eos or a stop were never emitted
-        if cache is None or n <= max(len(r.prompt), cache.min_tokens):
+        if cache is None or n <= len(r.prompt):
             return
         features = None
         if self.drafter is not None:  # the prompt's, each commit's, then the plain steps not yet fed
@@ -171,9 +169,8 @@ class Engine:
             features = {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
             if any(len(v) < n for v in features.values()):
                 return
-        keys, values = self.runner.cache.copy_out(r.slot, n)
         cache.discard(r.prompt)
-        cache.store((r.prompt + r.out)[:n], keys, values, features)
+        cache.store((r.prompt + r.out)[:n], lambda: self.runner.cache.copy_out(r.slot, n), features)
 
     def _prefill(self, reqs: list[Request], stats: StepStats) -> list[RequestOutput]:
         """Prefill (a chunk of) each new prompt; a finished prefill samples the first token."""

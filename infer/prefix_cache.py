@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from torch import Tensor
@@ -58,11 +59,8 @@ class PrefixCache:
             return None
         tokens = np.asarray(prompt, dtype=np.int64)
         best: PrefixHit | None = None
-        for name in self.by_key.get(tuple(prompt[:KEY_TOKENS]), []):
-            entry = self.entries[name]
-            n = min(len(entry.tokens), len(prompt) - 1)
-            differ = np.flatnonzero(entry.tokens[:n] != tokens[:n])
-            common = int(differ[0]) if len(differ) else n
+        for entry in self._candidates(prompt):
+            common = _common_prefix(entry, tokens, min(len(entry.tokens), len(prompt) - 1))
             if common >= self.min_tokens and (best is None or common > best.length):
                 best = PrefixHit(entry, common)
         if best is not None:
@@ -71,25 +69,34 @@ class PrefixCache:
             self.hit_tokens += best.length
         return best
 
-    def store(self, prompt: list[int], keys: list[Tensor], values: list[Tensor],
+    def store(self, prompt: list[int], kv: Callable[[], tuple[list[Tensor], list[Tensor]]],
               features: dict[str, Tensor] | None = None) -> bool:
-        """Keep a prefilled prompt (its K/V per layer [kv_heads, n, head_dim], copies the caller
-        will not touch again). -> False when it was already there or is larger than the cache."""
-        name = tuple(prompt)
-        if name in self.entries:
-            self.entries.move_to_end(name)
-            return False
+        """Keep a prefilled prompt with the K/V ``kv()`` returns (per layer [kv_heads, n, head_dim],
+        copies the caller will not touch again; called only when the prompt is kept). -> False
+        when an entry already holds the whole prompt (that entry counts as used), when it is too
+        short, or larger than the cache."""
         if len(prompt) <= self.min_tokens:
             return False
+        tokens = np.asarray(prompt, dtype=np.int64)
+        for entry in self._candidates(prompt):
+            if len(entry.tokens) >= len(tokens) and _common_prefix(entry, tokens, len(tokens)) == len(tokens):
+                self.entries.move_to_end(entry.name)
+                return False
+        keys, values = kv()
         nbytes = sum(t.numel() * t.element_size() for t in [*keys, *values, *(features or {}).values()])
         if nbytes > self.max_bytes:
             return False
         while self.nbytes + nbytes > self.max_bytes:
             self._evict()
-        self.entries[name] = PrefixEntry(name, np.asarray(prompt, dtype=np.int64), keys, values, features, nbytes)
+        name = tuple(prompt)
+        self.entries[name] = PrefixEntry(name, tokens, keys, values, features, nbytes)
         self.by_key.setdefault(name[:KEY_TOKENS], []).append(name)
         self.nbytes += nbytes
         return True
+
+    def _candidates(self, prompt: list[int]) -> list[PrefixEntry]:
+        """The entries starting with the same KEY_TOKENS tokens as ``prompt``."""
+        return [self.entries[name] for name in self.by_key.get(tuple(prompt[:KEY_TOKENS]), [])]
 
     def discard(self, prompt: list[int]) -> None:
         """Drop the entry of exactly ``prompt`` (superseded by a longer one), if any."""
@@ -108,3 +115,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def _common_prefix(entry: PrefixEntry, tokens: np.ndarray, n: int) -> int:
+    """How many of the first ``n`` tokens ``entry`` shares with ``tokens``."""
+    differ = np.flatnonzero(entry.tokens[:n] != tokens[:n])
+    return int(differ[0]) if len(differ) else n

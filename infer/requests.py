@@ -149,4 +149,5 @@ class Request:
         steps = len(self.accepted)
         tau = sum(a + 1 for a in self.accepted) / steps if steps else 1.0
         return {"steps": steps, "accepted_per_step": list(self.accepted), "tau": tau,
-                "cached_prompt_tokens": self.cached, "new_tokens": len(self.out), "seconds": seconds, "tokens_per_s": len(self.out) / seconds}
+                "cached_prompt_tokens": self.cached, "new_tokens": len(self.out), "seconds": seconds,
+                "tokens_per_s": len(self.out) / seconds}

@@ -24,14 +24,15 @@ def test_longest_prefix_wins_and_the_last_token_is_always_prefilled():
     cache = PrefixCache(max_bytes=1 << 20, min_tokens=4)
     assert cache.min_tokens == 16  # never below the index key's length
     short, long = list(range(20)), list(range(30))
-    cache.store(short, *kv(20, 1.0))
-    cache.store(long, *kv(30, 2.0))
+    cache.store(short, lambda: kv(20, 1.0))
+    cache.store(long, lambda: kv(30, 2.0))
     hit = cache.lookup(list(range(25)) + [99])
     assert hit.length == 25 and hit.entry.keys[0][0, 0, 0] == 2.0  # the longer common prefix
     assert cache.lookup(list(range(30))).length == 29  # an identical prompt: all but its last token
     assert cache.lookup(list(range(10)) + [99] * 20) is None  # a common prefix under 16 tokens
     assert cache.lookup([1] + list(range(1, 30))) is None
-    assert not cache.store(long, *kv(30))  # already there
+    assert not cache.store(long, lambda: kv(30))  # already there
+    assert not cache.store(list(range(25)), lambda: pytest.fail("copied K/V another entry holds"))
     assert (cache.hits, cache.hit_tokens, cache.lookups) == (2, 54, 4)
 
 
@@ -39,13 +40,13 @@ def test_least_recently_used_prompts_go_first_to_stay_under_the_budget():
     entry_bytes = 2 * 2 * 20 * 4 * 4  # K and V of 20 tokens, float32
     cache = PrefixCache(max_bytes=2 * entry_bytes)
     first, second, third = ([k] * 20 for k in (1, 2, 3))
-    cache.store(first, *kv(20))
-    cache.store(second, *kv(20))
+    cache.store(first, lambda: kv(20))
+    cache.store(second, lambda: kv(20))
     assert cache.lookup(first + [0]).length == 20  # first is now the most recently used
-    cache.store(third, *kv(20))
+    cache.store(third, lambda: kv(20))
     assert cache.lookup(second + [0]) is None and cache.lookup(first + [0]) is not None
     assert len(cache) == 2 and cache.nbytes == 2 * entry_bytes
-    assert not cache.store(list(range(200)), *kv(200))  # larger than the whole cache
+    assert not cache.store(list(range(200)), lambda: kv(200))  # larger than the whole cache
     with pytest.raises(ValueError):
         PrefixCache(0)
 
