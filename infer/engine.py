@@ -69,6 +69,8 @@ class Engine:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"prefix cache size must be >= 0 (0: off), got {prefix_cache_bytes} bytes")
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.slots = SlotAllocator(max_batch)
         self.eos_ids = set(target.eos_token_ids)

@@ -170,6 +170,9 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"specdec-serve: --spec-nodes wants integers like 0,2,4,8, got {args.spec_nodes!r}", file=sys.stderr)
         return 2
+    if args.prefix_cache_mb < 0:
+        print(f"specdec-serve: --prefix-cache-mb must be >= 0 (0: off), got {args.prefix_cache_mb}", file=sys.stderr)
+        return 2
     try:
         app = build_app(args.target, method, head, dtype=args.dtype, device=_device(args.device), max_batch=args.max_batch,
                         max_len=args.max_len, policy=args.spec_policy, spec_nodes=nodes, spec_depth=args.spec_depth,

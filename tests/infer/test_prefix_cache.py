@@ -59,6 +59,8 @@ def alone(tiny_target):
 
 
 def test_cached_prefixes_are_lossless_and_skip_their_prefill(tiny_target, alone):
+    with pytest.raises(ValueError, match="prefix cache size must be >= 0"):
+        Engine(tiny_target, None, max_batch=1, max_len=64, prefix_cache_bytes=-1)
     engine = Engine(tiny_target, None, max_batch=2, max_len=256, prefix_cache_bytes=1 << 24)
     calls = record_prefills(engine)
     outs = {rid: run(engine, {rid: p}, GREEDY)[rid] for rid, p in PROMPTS.items()}  # one after another

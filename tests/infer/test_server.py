@@ -376,3 +376,10 @@ def test_build_app_decodes_on_the_thread_that_built_the_engine(server):
     worker = scheduler._torch_thread  # build_app made the engine there (TorchThread.call)
     assert worker is not None and worker._thread.name == "specdec-engine" and worker._thread.is_alive()
     assert scheduler._loop_done is not None and not scheduler._loop_done.done()  # the loop runs there too
+
+
+def test_a_negative_prefix_cache_is_refused_before_loading(capsys):
+    from specdec.infer.server.cli import main
+
+    assert main(["--prefix-cache-mb", "-1"]) == 2
+    assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
