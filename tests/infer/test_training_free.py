@@ -21,7 +21,7 @@ from specdec.infer.drafters.hybrid import (FLOWING, HEAD, TRUSTED_COPY, NodeCost
                                           regime_of)
 from specdec.infer.drafters.hybrid import HybridDrafter
 from specdec.infer.drafters.lookahead import LookaheadDrafter
-from specdec.infer.drafters.pld import CandidateTrie, PLDDrafter, find_continuations
+from specdec.infer.drafters.pld import BASE_DRAFT_LEN, CandidateTrie, PLDDrafter, find_continuations
 from specdec.infer.drafters.rest import RESTDrafter
 
 BUDGET = TreeBudget(max_nodes=12, max_depth=5, topk=4)
@@ -307,20 +307,36 @@ def test_hybrid_keeps_a_flowing_copy_deep_and_learns_its_own_rate():
     pld_rate, before = d.estimate.rate("pld"), d.estimate.rate(FLOWING)
     d.commit(0, torch.tensor(list(range(17, 30))), {})
     assert d.estimate.rate(FLOWING) > before and d.estimate.rate("pld") == pld_rate
-    later = d.propose(torch.tensor([0]), torch.tensor([30]), budget)
-    assert later.scores[0, 12] > deep.scores[0, 12]  # the learnt alpha ranks deep copies higher
+
+
+def test_hybrid_rows_only_pld_drafted_for_get_plds_own_tree():
+    """Without another source's nodes the hybrid proposes what PLD alone would: the best match
+    as deep as PLD drafts it, ranked by PLD, however low alpha ** depth would score it."""
+    prompt = torch.tensor([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 7, 7, 7, 1, 2, 9, 9])
+    budget = TreeBudget(max_nodes=8, max_depth=12, topk=4)
+    alone = PLDDrafter(max_ngram=2)
+    alone.reset(1, 64)
+    alone.prefill(0, prompt)
+    d = HybridDrafter(None, PLDDrafter(max_ngram=2), adaptive=False, min_score=0.2)
+    d.reset(1, 64)
+    d.prefill(0, prompt, {})
+    mine, theirs = (x.propose(torch.tensor([0]), torch.tensor([1]), budget) for x in (d, alone))
+    assert paths_of(mine) == paths_of(theirs)
+    assert max(len(p) for p in paths_of(mine)) == BASE_DRAFT_LEN  # 0.5 ** 3 < 0.2 would cut it at 2
 
 
 def test_hybrid_copy_flows_on_the_part_of_the_match_it_kept():
-    """A copy cut short by the hybrid's node price (0.5 ** depth below 0.1 after 3 tokens) and
-    accepted whole flows on: PLD drafts it deeper next step, as it would uncut."""
-    d = HybridDrafter(None, PLDDrafter(max_ngram=3, max_matches=1), adaptive=False, min_score=0.1)
+    """A copy cut short next to the head's nodes by the hybrid's node price (0.5 ** depth below
+    0.1 after 3 tokens) and accepted whole flows on: PLD drafts it deeper next step, as it would uncut."""
+    d = HybridDrafter(FixedHead(), PLDDrafter(max_ngram=3, max_matches=1), adaptive=False, min_score=0.1)
     d.reset(1, 256)
-    d.prefill(0, torch.arange(40).repeat(2)[:-30], {})  # 0..39 then 0..9: copying 10, 11, ...
+    prompt = torch.arange(40).repeat(2)[:-30]  # 0..39 then 0..9: copying 10, 11, ...
+    d.prefill(0, prompt, {"hidden": torch.zeros(len(prompt), 4)})
     budget = TreeBudget(max_nodes=12, max_depth=12, topk=4)
     tree = d.propose(torch.tensor([0]), torch.tensor([10]), budget)
-    assert tree.top_path(0) == [10, 11, 12, 13]  # 6 drafted, 3 kept
-    d.commit(0, torch.tensor([10, 11, 12, 13]), {})
+    assert max(paths_of(tree), key=len) == (11, 12, 13)  # 6 drafted, 3 kept
+    assert (50, 51) in paths_of(tree)
+    d.commit(0, torch.tensor([10, 11, 12, 13]), {"hidden": torch.zeros(4, 4)})
     assert d.pld.flowing(0)
     d.propose(torch.tensor([0]), torch.tensor([14]), budget)
     assert d.last_trie[0].sources[1] == {FLOWING}
