@@ -325,6 +325,19 @@ def test_hybrid_rows_only_pld_drafted_for_get_plds_own_tree():
     assert max(len(p) for p in paths_of(mine)) == BASE_DRAFT_LEN  # 0.5 ** 3 < 0.2 would cut it at 2
 
 
+def test_hybrid_rates_learn_from_the_merged_cut_not_from_plds_deeper_tree():
+    """PLD's rate weighs it against the head's confidences, so it is learnt from the nodes the
+    merged cut keeps (2 here), not from the deeper chain verified when PLD drafts alone: learnt
+    from that, accepted long copies would inflate it."""
+    d = HybridDrafter(None, PLDDrafter(max_ngram=3, max_matches=1), adaptive=False, min_score=0.2)
+    d.reset(1, 256)
+    d.prefill(0, torch.arange(40).repeat(2)[:-30], {})  # 0..39 then 0..9: copying 10, 11, ...
+    tree = d.propose(torch.tensor([0]), torch.tensor([10]), TreeBudget(max_nodes=12, max_depth=12, topk=4))
+    assert tree.top_path(0) == list(range(10, 17))
+    d.commit(0, torch.tensor(list(range(10, 17))), {})
+    assert d.estimate.trials["pld"] == 2 and d.estimate.hits["pld"] == 2
+
+
 def test_hybrid_copy_flows_on_the_part_of_the_match_it_kept():
     """A copy cut short next to the head's nodes by the hybrid's node price (0.5 ** depth below
     0.1 after 3 tokens) and accepted whole flows on: PLD drafts it deeper next step, as it would uncut."""
