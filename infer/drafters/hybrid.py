@@ -14,12 +14,12 @@ the best ``max_nodes`` nodes by *estimated acceptance* are kept:
 
 alpha_s is learned while decoding: after each step, for every node on the committed path, each
 source that proposed a child of it counts one trial, and a success if the committed token was
-among its children (only nodes that made it into the proposed tree count; a Beta(2, 2)-smoothed
+among its children (only nodes the merged cut kept count, see below; a Beta(2, 2)-smoothed
 rate over all steps and slots). So a copy-heavy prompt
 (summaries, code edits, RAG) soon ranks PLD/REST paths above the head's, and an open-ended one
 leaves the budget to the head. All scores are non-increasing along paths, so the kept nodes form
-a tree. A row for which PLD alone drafted (the gates skipped the head and REST) proposes PLD's own
-tree: those scores only weigh sources against each other.
+a tree. A row for which PLD alone drafted (the gates skipped the head and REST) verifies PLD's own
+tree, uncut: those scores only weigh sources against each other (its rates still learn from the cut).
 
 Cost: PLD is nearly free, the head and REST are not (on the 2-core CPU the head ~10 ms a step,
 a REST lookup ~2.5 ms, each verified node ~0.5-1 ms, next to a ~30-40 ms verification), so each
