@@ -167,7 +167,7 @@ class Engine:
         if self.drafter is not None:  # the prompt's, each commit's, then the plain steps not yet fed
             if r.kept_features is None:
                 return
-            parts = r.kept_features + [{k: f[k][b:b + 1] for k in f} for f, b, _ in r.unfed]
+            parts = r.kept_features + ([_unfed_features(r)] if r.unfed else [])
             features = {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
             if any(len(v) < n for v in features.values()):
                 return
@@ -276,7 +276,7 @@ class Engine:
         if not r.unfed:
             return
         tokens = torch.tensor([tok for _, _, tok in r.unfed], device=self.device)
-        feats = {k: torch.stack([f[k][b] for f, b, _ in r.unfed]) for k in r.unfed[0][0]}
+        feats = _unfed_features(r)
         r.unfed.clear()
         self.drafter.commit(r.slot, tokens, feats)
         if r.kept_features is not None:
@@ -391,3 +391,7 @@ def _pad_trees(rows: list[tuple]) -> DraftTree:
     parents[:, 0] = -1
     return DraftTree(tokens=tokens, parents=parents, valid=valid, draft_probs=draft_probs)
 
+
+def _unfed_features(r: Request) -> dict[str, torch.Tensor]:
+    """The features of a row's plain steps not yet fed to the drafter, stacked {name: [n, ...]}."""
+    return {k: torch.stack([f[k][b] for f, b, _ in r.unfed]) for k in r.unfed[0][0]}
