@@ -52,7 +52,8 @@ def load_head(head_dir, target=None) -> DraftHead:
     """
     from safetensors.torch import load_file
 
-    from .base import WEIGHTS_FILE, build_head, load_state_strict, read_head_config
+    from .base import (TOKEN_COUNTS_FILE, WEIGHTS_FILE, HeadShapeError, build_head, load_state_strict,
+                       read_head_config)
 
     cfg = read_head_config(head_dir)
     head = build_head(get_head_class(cfg["head_type"]), cfg, target)
@@ -60,6 +61,14 @@ def load_head(head_dir, target=None) -> DraftHead:
     if not weights.exists():
         raise FileNotFoundError(f"{head_dir} has no {WEIGHTS_FILE}")
     load_state_strict(head, load_file(str(weights)), where=f"{weights}: ")
+    counts_file = Path(head_dir) / TOKEN_COUNTS_FILE
+    if counts_file.exists():  # optional: older heads and heads trained elsewhere have none
+        counts = load_file(str(counts_file)).get("token_counts")
+        vocab = getattr(head.config, "vocab_size", None)
+        if counts is None or counts.ndim != 1 or (vocab and counts.numel() != vocab):
+            got = None if counts is None else tuple(counts.shape)
+            raise HeadShapeError(f"{counts_file}: token_counts should be [{vocab}], got {got}")
+        head.token_counts = counts.long()
     if target is not None:
         head.attach_target(target)
     return head.eval()

@@ -33,6 +33,7 @@ from .tree import DraftTree, TreeBudget
 
 HEAD_FORMAT = "specdec-head/1"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+TOKEN_COUNTS_FILE = "token_counts.safetensors"  # training-data token frequencies (see set_draft_vocab)
 IDENTITY_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
                        "num_key_value_heads", "intermediate_size")
 
@@ -123,6 +124,7 @@ class DraftHead(nn.Module):
         self.config = config
         self.target_identity: dict | None = None
         self.has_target_parts = not self.FROZEN_PARTS
+        self.token_counts: Tensor | None = None  # [V] from the training data, saved beside the weights
 
     # --- construction -------------------------------------------------------------------------
     # The `--method` name users type for this head (specdec-generate / specdec-bench);
@@ -206,7 +208,19 @@ class DraftHead(nn.Module):
     def set_draft_vocab(self, token_counts: Tensor) -> None:
         """Called by the trainer before training with token_counts [V] (how often each target
         token occurs on loss-masked positions of the training data). Heads with a reduced draft
-        vocabulary (EAGLE-3) choose it here; for the others it is a no-op."""
+        vocabulary (EAGLE-3) choose it here; the others keep the counts, which are saved with the
+        head so that drafting can score only the most frequent tokens (`frequent_tokens`)."""
+        self.token_counts = token_counts.detach().to("cpu", torch.long)
+
+    def frequent_tokens(self, n: int) -> Tensor | None:
+        """The ids of the n most frequent training tokens (ties: lower id first), ascending; None
+        when the head has no counts (trained before they were saved, or elsewhere) or n covers
+        the whole vocabulary."""
+        counts = self.token_counts
+        if counts is None or n <= 0 or n >= counts.numel():
+            return None
+        order = torch.sort(counts, descending=True, stable=True).indices
+        return order[:n].sort().values
 
     # --- save / load / export -----------------------------------------------------------------
     def saved_state_dict(self) -> dict[str, Tensor]:
@@ -226,6 +240,8 @@ class DraftHead(nn.Module):
         (out / CONFIG_FILE).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.saved_state_dict().items()}
         save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": HEAD_FORMAT})
+        if self.token_counts is not None:
+            save_file({"token_counts": self.token_counts.contiguous()}, str(out / TOKEN_COUNTS_FILE))
         return out
 
     def export_formats(self) -> list[str]:

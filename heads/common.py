@@ -14,8 +14,12 @@ from .base import (DraftHead, FeatureSpec, LogitLoss, acceptance_stats, chunked_
 from .layers import ResBlock
 
 # Options any drafter accepts and may ignore: sampling settings the engine passes to every method,
-# and the cache sizes a drafter with its own KV cache (draft_lm) allocates up front.
-COMMON_OPTS = frozenset({"temperature", "top_p", "top_k", "seed", "max_batch", "max_len"})
+# the cache sizes a drafter with its own KV cache (draft_lm) allocates up front, and how many
+# of the most frequent tokens a full-vocabulary head scores (DraftLogits).
+COMMON_OPTS = frozenset({"temperature", "top_p", "top_k", "seed", "max_batch", "max_len", "draft_vocab"})
+# Tokens a full-vocabulary head scores while drafting, as EAGLE-3's reduced vocabulary (8,192 of
+# SmolLM2's 49,152 cover ~98% of the training replies' tokens); 0 scores them all.
+DRAFT_VOCAB = 8192
 
 
 def label_mask(batch: dict[str, Tensor], offset: int) -> Tensor:
@@ -105,15 +109,45 @@ def check_drafter_opts(opts: dict, known: Sequence[str], head_type: str) -> None
                          f"known: {sorted(set(known) | COMMON_OPTS)}")
 
 
+class DraftLogits:
+    """A drafter's output layers over the target vocabulary. When the head carries its training
+    data's token counts (``DraftHead.token_counts``) a vocabulary-sized layer scores only the
+    ``draft_vocab`` most frequent tokens (``FrequentVocabLinear``: every other token gets
+    probability 0); layers of another width (EAGLE-3's own reduced vocabulary), heads without
+    counts or ``draft_vocab=0`` score every row. Each layer is prepacked here (bf16 on CPU;
+    ``load_draft_head`` leaves vocabulary-sized layers to it) and rebuilt whenever its weight
+    changes (moved, cast or trained in place)."""
+
+    def __init__(self, head: DraftHead, draft_vocab: int | None = DRAFT_VOCAB):
+        self.vocab = getattr(head.config, "vocab_size", 0)
+        self.keep = head.frequent_tokens(int(draft_vocab)) if draft_vocab else None
+        self._layers: dict[int, tuple] = {}  # id(weight) -> (weight's version key, layer)
+
+    def __call__(self, x: Tensor, layer: nn.Linear | Tensor) -> Tensor:
+        """Logits of x [..., H] through ``layer`` (an nn.Linear, or a weight [V, H])."""
+        weight, bias = (layer.weight, layer.bias) if isinstance(layer, nn.Linear) else (layer, None)
+        key = (weight.data_ptr(), weight.dtype, weight._version)
+        hit = self._layers.get(id(weight))
+        if hit is None or hit[0] != key:
+            from specdec.infer.models.linear import vocab_linear
+
+            keep = self.keep if weight.shape[0] == self.vocab else None
+            hit = self._layers[id(weight)] = (key, vocab_linear(
+                weight.detach(), None if bias is None else bias.detach(), keep))
+        return hit[1](x)
+
+
 class LastHiddenDrafter:
     """Drafter state for heads that read only the target's final hidden state at the last
-    committed token (Medusa, Hydra, MLPSpeculator, ReDrafter): one [H] vector per slot."""
+    committed token (Medusa, Hydra, MLPSpeculator, ReDrafter): one [H] vector per slot.
+    ``self.logits(x, linear)`` is the head's vocabulary layer (DraftLogits)."""
 
-    def __init__(self, head: DraftHead):
+    def __init__(self, head: DraftHead, draft_vocab: int | None = DRAFT_VOCAB):
         head.require_target_parts()
         self.head = head.eval()
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.logits = DraftLogits(head, draft_vocab)
         self.feature_spec = FeatureSpec(hidden=True)
         self._last: dict[int, Tensor] = {}
 

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_linear, init_linear_,
                    llama_dims, shift_left, target_part)
-from .common import chain_acceptance, check_drafter_opts, label_mask, mean_loss, top1_of
+from .common import (DRAFT_VOCAB, DraftLogits, chain_acceptance, check_drafter_opts, label_mask, mean_loss,
+                     top1_of)
 from .layers import DecoderLayer, RMSNorm, Rotary, SlotKVCache
 from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree
 
@@ -206,7 +207,8 @@ class DraftLMHead(DraftHead):
         if tree and temperature > 0:
             raise ValueError("draft_lm: tree=True drafts deterministic top-k trees; sampling "
                              "(temperature > 0) drafts a chain")
-        drafter = DraftLMDrafter(self, temperature=temperature, tree=tree, seed=opts.get("seed"))
+        drafter = DraftLMDrafter(self, temperature=temperature, tree=tree, seed=opts.get("seed"),
+                                 draft_vocab=opts.get("draft_vocab", DRAFT_VOCAB))
         if opts.get("max_batch") and opts.get("max_len"):
             drafter.reset(int(opts["max_batch"]), int(opts["max_len"]))
         return drafter
@@ -222,8 +224,9 @@ class DraftLMDrafter:
     """
 
     def __init__(self, head: DraftLMHead, temperature: float = 0.0, tree: bool = False,
-                 seed: int | None = None):
+                 seed: int | None = None, draft_vocab: int | None = DRAFT_VOCAB):
         self.head = head.eval()
+        self.logits = DraftLogits(head, draft_vocab)
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.feature_spec = FeatureSpec(hidden=False)
@@ -302,7 +305,7 @@ class DraftLMDrafter:
         return self.head.model(tokens, positions, mask, past, on_kv=write)
 
     def _logits(self, h: Tensor) -> Tensor:
-        return (h @ self.head.lm_weight().T).float()
+        return self.logits(h, self.head.lm_weight()).float()
 
     # --- proposing --------------------------------------------------------------------------
     @torch.no_grad()

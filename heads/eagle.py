@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .base import (DraftHead, FeatureSpec, acceptance_stats, chunked_logit_loss, chunked_top1,
                    depth_valid_mask, frozen_embedding, frozen_linear, init_linear_, llama_dims,
                    masked_mean, shift_left, target_argmax)
-from .common import mean_loss
+from .common import DRAFT_VOCAB, DraftLogits, mean_loss
 from .layers import DecoderLayer, Rotary, SlotKVCache
 from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree, num_dynamic_candidates
 
@@ -282,10 +282,10 @@ class EagleDrafter:
     """
 
     def __init__(self, head: EagleFamily, max_batch: int = 1, max_len: int = 2048,
-                 min_frontier_mass: float | None = None, **unknown):
+                 min_frontier_mass: float | None = None, draft_vocab: int | None = DRAFT_VOCAB, **unknown):
         if unknown:
             raise ValueError(f"unknown {head.head_type()} drafter option(s) {sorted(unknown)}; "
-                             "known: max_batch, max_len, min_frontier_mass")
+                             "known: max_batch, max_len, min_frontier_mass, draft_vocab")
         self.head = head.eval()
         self.feature_spec = head.feature_spec()
         p = next(head.parameters())
@@ -295,19 +295,13 @@ class EagleDrafter:
         if min_frontier_mass is None:
             min_frontier_mass = CPU_MIN_FRONTIER_MASS if self.device.type == "cpu" else 0.0
         self.min_frontier_mass = float(min_frontier_mass)
-        self._packed_head: tuple | None = None  # (weight key, DecodeLinear), see _draft_logits
+        self.logits = DraftLogits(head, draft_vocab)  # the draft LM head (EAGLE-1's: the target's)
         self.reset(max_batch, max_len)
 
     def _draft_logits(self, x: Tensor) -> Tensor:
-        """The draft LM head, which runs at every tree level: prepacked when bf16 on CPU. The
-        packed copy is rebuilt whenever the weight changes (moved, cast or trained in place)."""
-        from specdec.infer.models.linear import DecodeLinear
-
-        w = self.head.draft_head_weight()
-        key = (w.data_ptr(), w.dtype, w._version)
-        if self._packed_head is None or self._packed_head[0] != key:
-            self._packed_head = (key, DecodeLinear(w.detach()))
-        return self._packed_head[1](x)
+        """The draft LM head, which runs at every tree level (DraftLogits: prepacked, rebuilt
+        when the weight changes; EAGLE-1's full vocabulary cut to the frequent tokens)."""
+        return self.logits(x, self.head.draft_head_weight())
 
     def reset(self, max_batch: int, max_len: int) -> None:
         attn = self.head.layers[0].self_attn

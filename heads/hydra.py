@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_embedding, frozen_linear,
                    shift_left)
 from .layers import ResBlock
-from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+from .common import (DRAFT_VOCAB, LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
                      label_mask, logits_with_bias, top1_of, zero_block_biases_)
 from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree
 
@@ -138,7 +138,7 @@ class HydraHead(DraftHead):
     # --- drafting ---------------------------------------------------------------------------
     def new_drafter(self, target=None, **opts) -> "HydraDrafter":
         check_drafter_opts(opts, [], self.head_type())
-        return HydraDrafter(self)
+        return HydraDrafter(self, opts.get("draft_vocab", DRAFT_VOCAB))
 
 
 class HydraDrafter(LastHiddenDrafter):
@@ -161,7 +161,7 @@ class HydraDrafter(LastHiddenDrafter):
                 x = torch.cat([prev.gather(1, idx), e], -1)                 # [B, F, (d+2)·H]
             inputs.append(x)
             z = head.hydra_mlp[fr.depth](x)
-            return head.hydra_lm_head[fr.depth](z).float().log_softmax(-1)  # [B, F, V]
+            return self.logits(z, head.hydra_lm_head[fr.depth]).float().log_softmax(-1)  # [B, F, V]
 
         return expand_dynamic_tree(step, roots.to(self.device).long(), budget)
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import DraftHead, FeatureSpec, chunked_logit_loss, frozen_linear, shift_left
-from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+from .common import (DRAFT_VOCAB, LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
                      label_mask, top1_of, zero_block_biases_)
 from .layers import ResBlock
 from .tree import DraftTree, StaticTree, TreeBudget, static_tree
@@ -155,7 +155,7 @@ class MedusaHead(DraftHead):
             if tree not in TREES:
                 raise ValueError(f"unknown Medusa tree {tree!r}; named trees: {sorted(TREES)}")
             tree = TREES[tree]
-        return MedusaDrafter(self, tree)
+        return MedusaDrafter(self, tree, opts.get("draft_vocab", DRAFT_VOCAB))
 
     # --- export (heads/export_common.py) ----------------------------------------------------------
     def _export_vllm(self, out_dir, target):
@@ -204,8 +204,8 @@ class MedusaDrafter(LastHiddenDrafter):
     """Static tree from a choice list; depth d's tokens are head d-1's top-k at the last
     committed hidden state (the same for every branch: Medusa heads ignore the path)."""
 
-    def __init__(self, head: MedusaHead, choices: Sequence[Sequence[int]]):
-        super().__init__(head)
+    def __init__(self, head: MedusaHead, choices: Sequence[Sequence[int]], draft_vocab: int | None = DRAFT_VOCAB):
+        super().__init__(head, draft_vocab)
         self.choices = [tuple(int(r) for r in c) for c in choices]
         self._trees: dict[TreeBudget, StaticTree] = {}
 
@@ -222,7 +222,8 @@ class MedusaDrafter(LastHiddenDrafter):
         tree = self.tree_for(budget)
         h = self.hidden(slots)                                            # [B, H]
         D = max(tree.max_depth, 1)
-        probs = torch.stack([self.head.medusa_head[k](h) for k in range(D)]).float().softmax(-1)
+        heads = self.head.medusa_head
+        probs = torch.stack([self.logits(heads[k][:-1](h), heads[k][-1]) for k in range(D)]).float().softmax(-1)
         p, tok = probs.topk(min(tree.max_rank, probs.shape[-1]), dim=-1)  # [D, B, r]
         return tree.fill(roots.to(self.device).long(), tok.transpose(0, 1), p.transpose(0, 1))
 

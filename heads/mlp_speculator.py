@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_linear, shift_left,
                    target_argmax)
-from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+from .common import (DRAFT_VOCAB, LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
                      label_mask, top1_of)
 from .tree import DraftTree, TreeBudget, tree_from_paths
 
@@ -180,7 +180,8 @@ class MLPSpeculatorHead(DraftHead):
     # --- drafting ---------------------------------------------------------------------------
     def new_drafter(self, target=None, **opts) -> "MLPSpeculatorDrafter":
         check_drafter_opts(opts, ["n_candidates"], self.head_type())
-        return MLPSpeculatorDrafter(self, opts.get("n_candidates", self.config.n_candidates))
+        return MLPSpeculatorDrafter(self, opts.get("n_candidates", self.config.n_candidates),
+                                    opts.get("draft_vocab", DRAFT_VOCAB))
 
     # --- export (heads/export_common.py) ----------------------------------------------------------
     def _write_ibm_layout(self, out_dir, target, fmt: str):
@@ -226,8 +227,8 @@ class MLPSpeculatorDrafter(LastHiddenDrafter):
     """IBM's generate_suffixes: all top-k expansions per stage, best `n_candidates` chains,
     merged into a prefix tree within the budget."""
 
-    def __init__(self, head: MLPSpeculatorHead, n_candidates: int):
-        super().__init__(head)
+    def __init__(self, head: MLPSpeculatorHead, n_candidates: int, draft_vocab: int | None = DRAFT_VOCAB):
+        super().__init__(head, draft_vocab)
         if n_candidates < 1:
             raise ValueError(f"n_candidates must be >= 1, got {n_candidates}")
         self.n_candidates = n_candidates
@@ -246,7 +247,7 @@ class MLPSpeculatorDrafter(LastHiddenDrafter):
         for i in range(D):
             k = min(head.config.top_k_tokens_per_head[i], budget.topk)
             state = head.step(i, state, last)                                # [B, n, I]
-            lp = head.head[i](state).float().log_softmax(-1)                 # [B, n, V]
+            lp = self.logits(state, head.head[i]).float().log_softmax(-1)    # [B, n, V]
             top_lp, top_id = lp.topk(k, dim=-1)                              # [B, n, k]
             n = top_id.shape[1]
             cum = (cum[:, :, None] + top_lp).reshape(B, n * k)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .base import (DraftHead, FeatureSpec, chunked_logit_loss, frozen_embedding, frozen_linear,
                    shift_left)
-from .common import (LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
+from .common import (DRAFT_VOCAB, LastHiddenDrafter, add_depth_loss, chain_acceptance, check_drafter_opts,
                      label_mask, top1_of)
 from .layers import ResBlock
 from .tree import DraftTree, TreeBudget, tree_from_paths
@@ -140,7 +140,7 @@ class ReDrafterHead(DraftHead):
         width = int(opts.get("beam_width", self.config.beam_width))
         if width < 1:
             raise ValueError(f"beam_width must be >= 1, got {width}")
-        return ReDrafterDrafter(self, width)
+        return ReDrafterDrafter(self, width, opts.get("draft_vocab", DRAFT_VOCAB))
 
     # --- export (heads/export_common.py) ----------------------------------------------------------
     def _export_trtllm(self, out_dir, target):
@@ -169,8 +169,8 @@ class ReDrafterHead(DraftHead):
 
 
 class ReDrafterDrafter(LastHiddenDrafter):
-    def __init__(self, head: ReDrafterHead, beam_width: int):
-        super().__init__(head)
+    def __init__(self, head: ReDrafterHead, beam_width: int, draft_vocab: int | None = DRAFT_VOCAB):
+        super().__init__(head, draft_vocab)
         self.beam_width = beam_width
 
     @torch.no_grad()
@@ -191,7 +191,7 @@ class ReDrafterDrafter(LastHiddenDrafter):
         rows = torch.arange(B, device=self.device)[:, None]
         for _ in range(D):
             state = head.next_state(state, head.embed_tokens(beams[..., -1]))
-            lp = head.lm_head[-1](head.exit_features(context, state)).float().log_softmax(-1)
+            lp = self.logits(head.exit_features(context, state), head.lm_head[-1]).float().log_softmax(-1)
             total = (lp + log_p_beam[..., None]).reshape(B, W * V)           # [B, W*V]
             log_p_beam, flat = total.topk(W, dim=-1)                          # best first
             beam, tok = flat // V, flat % V                                   # [B, W]

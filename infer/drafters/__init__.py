@@ -65,7 +65,9 @@ def make_drafter(method: str, target, head=None, **opts):
 def load_draft_head(folder, target):
     """Load a trained head folder for drafting on ``target``: checked against it, in the target's
     dtype (heads are saved in fp32; an fp32 head beside a bf16 target measured 2x slower
-    drafting), bf16 projections prepacked (a head loaded here only drafts)."""
+    drafting), bf16 projections prepacked (a head loaded here only drafts) but for the
+    vocabulary-sized ones: drafters pack those themselves, cut to the frequent tokens
+    (heads.common.DraftLogits), and the frozen copies of the target's LM head do not draft."""
     from specdec.heads import load_head
     from specdec.infer.models.linear import pack_linears
 
@@ -74,7 +76,7 @@ def load_draft_head(folder, target):
         raise DrafterError(f"head folder {folder} does not exist")
     head = load_head(folder, target)
     head.to(next(target.model.parameters()).dtype)
-    pack_linears(head)
+    pack_linears(head, skip_out_features=getattr(head.config, "vocab_size", None))
     return head
 
 

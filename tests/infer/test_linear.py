@@ -44,3 +44,13 @@ def test_pack_linears_keeps_outputs_and_state_dict():
         got = net(x)
     assert list(net.state_dict()) == keys
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not _can_pack(torch.zeros(1, dtype=torch.bfloat16)),
+                    reason="needs a CPU with oneDNN bf16 (AVX512-BF16)")
+def test_pack_linears_leaves_the_vocabulary_sized_layers_to_the_drafter():
+    from specdec.infer.models.linear import DecodeLinear, pack_linears
+
+    net = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 100)).bfloat16()
+    assert pack_linears(net, skip_out_features=100) == 1
+    assert isinstance(net[0].forward, DecodeLinear) and not isinstance(net[1].forward, DecodeLinear)
