@@ -119,8 +119,11 @@ class DraftLogits:
     changes (moved, cast or trained in place)."""
 
     def __init__(self, head: DraftHead, draft_vocab: int | None = DRAFT_VOCAB):
+        if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int)
+                                        or draft_vocab < 0):
+            raise ValueError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {draft_vocab!r}")
         self.vocab = getattr(head.config, "vocab_size", 0)
-        self.keep = head.frequent_tokens(int(draft_vocab)) if draft_vocab else None
+        self.keep = head.frequent_tokens(draft_vocab) if draft_vocab else None
         self._layers: dict[int, tuple] = {}  # id(weight) -> (weight's version key, layer)
 
     def __call__(self, x: Tensor, layer: nn.Linear | Tensor) -> Tensor:

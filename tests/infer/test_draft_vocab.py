@@ -33,6 +33,9 @@ def test_counts_pick_the_most_frequent_tokens_and_travel_with_the_head(tiny_targ
     head.set_draft_vocab(counts)
     assert head.frequent_tokens(3).tolist() == [3, 7, 9]
     assert head.frequent_tokens(0) is None and head.frequent_tokens(V) is None
+    for bad in (-1, "many", 2.5):
+        with pytest.raises(ValueError, match="draft_vocab must be an integer"):
+            head.new_drafter(tiny_target, draft_vocab=bad)
     head.save_pretrained(tmp_path / "h")
     loaded = load_head(tmp_path / "h", tiny_target)
     assert torch.equal(loaded.token_counts, counts)
