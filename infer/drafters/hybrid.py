@@ -256,11 +256,12 @@ class HybridDrafter:
         tries = [CandidateTrie(root) for root in root_list]
         lookups = [None] * len(tries)  # PLD's own trie per row, as PLD alone would rank it
         if self.pld is not None:
+            floor = self.pld.floor(roots.device)
             for b, (slot, root, trie) in enumerate(zip(slot_list, root_list, tries)):
                 # a flowing copy (PLD drafts it deeper) is its own source: its tokens are
                 # accepted far more often than PLD's guesses, and alpha ** depth must say so
                 name = FLOWING if self.pld.flowing(slot) else "pld"
-                lookups[b] = self.pld.trie(slot, root, budget, source=name)
+                lookups[b] = self.pld.trie(slot, root, budget, source=name, floor=floor)
                 self._add_retrieval(trie, lookups[b], name)
         offered = [expected_length(t) for t in tries]  # what PLD offers each row
         regime = regime_of(sum(offered) / max(len(offered), 1))  # the gates' regime: the batch mean

@@ -21,7 +21,8 @@ from specdec.infer.drafters.hybrid import (FLOWING, HEAD, TRUSTED_COPY, NodeCost
                                           regime_of)
 from specdec.infer.drafters.hybrid import HybridDrafter
 from specdec.infer.drafters.lookahead import LookaheadDrafter
-from specdec.infer.drafters.pld import BASE_DRAFT_LEN, CandidateTrie, PLDDrafter, find_continuations
+from specdec.infer.drafters.pld import (BASE_DRAFT_LEN, CPU_MATCH_FLOOR, CandidateTrie, PLDDrafter, find_matches,
+                                        match_acceptance)
 from specdec.infer.drafters.rest import RESTDrafter
 
 BUDGET = TreeBudget(max_nodes=12, max_depth=5, topk=4)
@@ -73,8 +74,8 @@ def test_pld_copies_the_continuation_of_the_matching_ngram():
 def test_pld_merges_several_matches_most_recent_first():
     # "a b" is followed by c (older) and by d (recent): both children of b, d ranked first.
     seq = np.array([1, 2, 3, 9, 1, 2, 4, 9, 1, 2])
-    conts = find_continuations(seq, max_ngram=2, min_ngram=1, length=3, max_matches=4)
-    assert conts[0] == [4, 9, 1] and conts[1] == [3, 9, 1]
+    conts = find_matches(seq, max_ngram=2, min_ngram=1, length=3, max_matches=4)
+    assert conts[0] == (2, [4, 9, 1]) and conts[1] == (2, [3, 9, 1])
     d = PLDDrafter(max_ngram=2)
     d.prefill(3, torch.tensor(seq[:-1].tolist()), {})
     tree = d.propose(torch.tensor([3]), torch.tensor([2]), TreeBudget(8, 3, 4))
@@ -118,6 +119,51 @@ def test_pld_drafts_deeper_while_the_copy_flows():
     d.commit(0, torch.tensor([29, 30, 31, 32]), {})
     d.prefill(0, torch.arange(40).repeat(2)[:-30], {})  # a new request starts at the base length
     assert d.propose(torch.tensor([0]), torch.tensor([10]), deep).top_path(0) == [10, 11, 12, 13]
+
+
+def test_match_acceptance_trusts_longer_ngrams_earlier_ranks_and_shallower_tokens():
+    assert match_acceptance(3, 0, 1) > match_acceptance(2, 0, 1) > match_acceptance(1, 0, 1)
+    assert match_acceptance(5, 0, 1) == match_acceptance(3, 0, 1)  # longer n-grams count as 3
+    for n in (1, 2, 3):
+        assert match_acceptance(n, 0, 2) < match_acceptance(n, 0, 1)
+        assert match_acceptance(n, 1, 1) < match_acceptance(n, 0, 1)
+
+
+def test_pld_leaves_out_match_tokens_estimated_under_the_floor():
+    """On CPU a 1-gram guess stops after the tokens worth verifying (2 at 0.22, 0.13, then 0.08
+    under 0.1), a 3-gram match runs the base length, min_score 0 cuts nothing, and accepting what
+    was drafted of a cut match lets the copy flow."""
+    one_gram = [7, 20, 21, 22, 23, 24, 25, 26, 8, 9]  # root 7 matches only the 1-gram "7"
+    worth = sum(1 for d in range(1, BASE_DRAFT_LEN + 1) if match_acceptance(1, 0, d) >= CPU_MATCH_FLOOR)
+    assert 0 < worth < BASE_DRAFT_LEN
+    deep = TreeBudget(max_nodes=12, max_depth=12, topk=4)
+    cut, uncut = PLDDrafter(max_matches=1), PLDDrafter(max_matches=1, min_score=0.0)
+    for d in (cut, uncut):
+        d.reset(1, 64)
+        d.prefill(0, torch.tensor(one_gram))
+    assert cut.floor("cpu") == CPU_MATCH_FLOOR and cut.floor("meta") == 0.0 and uncut.floor("cpu") == 0.0
+    assert cut.propose(torch.tensor([0]), torch.tensor([7]), deep).top_path(0) == [7] + one_gram[1:1 + worth]
+    assert uncut.propose(torch.tensor([0]), torch.tensor([7]), deep).top_path(0) == [7] + one_gram[1:1 + BASE_DRAFT_LEN]
+    cut.commit(0, torch.tensor([7] + one_gram[1:1 + worth]))  # all of the cut match accepted
+    assert cut.flowing(0)
+    three_gram = PLDDrafter(max_matches=1)
+    three_gram.reset(1, 64)
+    three_gram.prefill(0, torch.tensor([1, 2, 3, 40, 41, 42, 43, 44, 45, 46, 1, 2]))
+    assert three_gram.propose(torch.tensor([0]), torch.tensor([3]), deep).top_path(0) == [3, 40, 41, 42, 43, 44, 45]
+    with pytest.raises(ValueError, match="min_score"):
+        PLDDrafter(min_score=1.5)
+
+
+def test_hybrid_pld_only_rows_get_plds_own_cut_tree():
+    """With the default floors, a row only PLD drafted for is PLD's tree with its 1-gram guesses cut."""
+    prompt = torch.tensor([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 7, 7, 7, 1, 2, 9, 9])
+    budget = TreeBudget(max_nodes=8, max_depth=12, topk=4)
+    alone, d = PLDDrafter(max_ngram=2), HybridDrafter(None, PLDDrafter(max_ngram=2), adaptive=False)
+    for x in (alone, d):
+        x.reset(1, 64)
+        x.prefill(0, prompt, {})
+    mine, theirs = (x.propose(torch.tensor([0]), torch.tensor([4]), budget) for x in (d, alone))
+    assert paths_of(mine) == paths_of(theirs) and len(paths_of(theirs)) < BASE_DRAFT_LEN  # a 1-gram match, cut
 
 
 def test_empty_prompt_still_proposes_a_valid_tree():
@@ -267,8 +313,8 @@ class FixedHead:
 
 
 def test_hybrid_merges_head_and_retrieval_within_the_budget(store):
-    head = FixedHead()
-    d = HybridDrafter(head, PLDDrafter(max_ngram=2), RESTDrafter(store))
+    head = FixedHead()  # PLD uncut (min_score 0): its 1-gram match below must be able to run deep
+    d = HybridDrafter(head, PLDDrafter(max_ngram=2, min_score=0.0), RESTDrafter(store))
     d.reset(2, 64)
     d.prefill(0, torch.tensor([3, 20, 21, 22, 23, 1, 2]), {"hidden": torch.zeros(7, 4)})
     budget = TreeBudget(max_nodes=6, max_depth=4, topk=4)
@@ -314,10 +360,10 @@ def test_hybrid_rows_only_pld_drafted_for_get_plds_own_tree():
     as deep as PLD drafts it, ranked by PLD, however low alpha ** depth would score it."""
     prompt = torch.tensor([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 7, 7, 7, 1, 2, 9, 9])
     budget = TreeBudget(max_nodes=8, max_depth=12, topk=4)
-    alone = PLDDrafter(max_ngram=2)
+    alone = PLDDrafter(max_ngram=2, min_score=0.0)  # uncut: the chain runs the base length
     alone.reset(1, 64)
     alone.prefill(0, prompt)
-    d = HybridDrafter(None, PLDDrafter(max_ngram=2), adaptive=False, min_score=0.2)
+    d = HybridDrafter(None, PLDDrafter(max_ngram=2, min_score=0.0), adaptive=False, min_score=0.2)
     d.reset(1, 64)
     d.prefill(0, prompt, {})
     mine, theirs = (x.propose(torch.tensor([0]), torch.tensor([1]), budget) for x in (d, alone))
