@@ -37,6 +37,10 @@ def test_cost_model_recovers_linear_costs_and_round_trips(tmp_path):
     feed_cost(model, truth, random.Random(0))
     for b, n in [(1, 1), (4, 40), (16, 300)]:
         assert model.predict(b, n) == pytest.approx(truth(b, n), rel=0.05)
+    # the controller's scalar calls take a plain-float path: it must agree with the array one
+    many = model.predict(np.array([1, 4, 16]), np.array([1, 40, 300]), np.array([0, 64, 0]), np.array([0, 1, 2]))
+    assert [model.predict(1, 1, 0, 0), model.predict(4, 40, 64, 1), model.predict(16, 300, 0, 2)] == \
+        pytest.approx(many.tolist(), rel=1e-9)
     path = tmp_path / "cost.json"
     model.save(path)
     again = CostModel.load(path)
