@@ -133,16 +133,16 @@ def find_matches(seq: np.ndarray, max_ngram: int, min_ngram: int, length: int,
 
 
 # How often a match's tokens are accepted, by the n of the n-gram that found it: measured over
-# 42 Spec-Bench questions (SmolLM2's greedy replies, bf16, every category) the first token of
+# 38 Spec-Bench first turns (SmolLM2's greedy replies, bf16, every category) the first token of
 # the best match is accepted 83% of the time after a 3-gram, 49% after a 2-gram, 23% after a
-# 1-gram; each next token, given the previous one, 0.87-0.92 / 0.69-0.74 / 0.57-0.78; each later
+# 1-gram; each next token, given the previous one, 0.87-0.93 / 0.64-0.85 / 0.57-0.78; each later
 # match a little less (0.77 / 0.61 / 0.54 for the 2nd-4th after a 3-gram).
 MATCH_FIRST = {1: 0.22, 2: 0.45, 3: 0.8}
 MATCH_CONTINUE = {1: 0.6, 2: 0.72, 3: 0.88}
 MATCH_RANK_DECAY = 0.85
 # On CPU a verified node costs ~1-2 ms of a ~32 ms step at 300-800 tokens of context (the first
-# half-dozen together ~3.5 ms), so a node estimated under 0.1 acceptance costs more than it adds.
-# Measured by replaying PLD over those 42 replies with the verification's measured cost: 1-gram
+# half-dozen together 2-3.5 ms), so a node estimated under 0.1 acceptance costs more than it adds.
+# Measured by replaying PLD over those 38 replies with the verification's measured cost: 1-gram
 # matches drafted 6 deep were most of the wasted nodes (8.0 -> 5.2 nodes a step, tau 2.20 -> 2.13,
 # modelled decode speed +5%, summarisation and RAG +4%); on a GPU a node is nearly free (0: none cut).
 CPU_MATCH_FLOOR = 0.1
