@@ -59,8 +59,7 @@ class CostModel:
         self.quadratic = quadratic
         self.decay = decay  # recency weight per observation: a busy machine changes speed
         self.obs: deque[tuple[float, ...]] = deque(maxlen=window)  # (B, N, P, G, seconds)
-        self._theta = self.prior.scaled()
-        self._natural = tuple(float(v) for v in self._theta / _SCALES)  # the same, per unit
+        self._set_theta(self.prior.scaled())
         self._dirty = False
 
     @staticmethod
@@ -76,8 +75,8 @@ class CostModel:
 
     def coefficients(self) -> dict[str, float]:
         """The fitted terms in natural units (seconds per step / sequence / token / token² / ...)."""
-        th = self._fit() / _SCALES
-        return {t: float(v) for t, v in zip(_TERMS, th)}
+        self._fit()
+        return dict(zip(_TERMS, self._natural))
 
     def predict(self, batch, tokens, prefill=0, groups=0):
         """Predicted seconds of a step (arrays broadcast)."""
@@ -110,11 +109,17 @@ class CostModel:
         theta = np.linalg.solve(lhs, rhs)
         # Costs cannot decrease with more work; a negative slope is noise over a narrow range.
         theta = np.maximum(theta, 0.0)
-        self._theta = np.zeros(len(_TERMS))
-        self._theta[keep] = theta
-        self._natural = tuple(float(v) for v in self._theta / _SCALES)
+        full = np.zeros(len(_TERMS))
+        full[keep] = theta
+        self._set_theta(full)
         self._dirty = False
         return self._theta
+
+    def _set_theta(self, theta: np.ndarray) -> None:
+        """The coefficients on the scaled features, and the same per natural unit (plain floats
+        for ``predict``'s scalar path and ``coefficients``)."""
+        self._theta = theta
+        self._natural = tuple(float(v) for v in theta / _SCALES)
 
     # --- persistence (--cost-profile) ---------------------------------------------------
     def to_dict(self) -> dict:
