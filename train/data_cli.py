@@ -66,7 +66,7 @@ def regenerate_args(p: argparse.ArgumentParser) -> None:
     add_target_args(p, default_dtype="bfloat16")
     add_data_args(p)
     p.add_argument("--out", required=True, help="output JSONL (appended to; rerun to resume)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate() call (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (KV-cache slots; default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples at this temperature")
@@ -148,7 +148,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "regenerate": Subcommand(
         help="self-distillation: the target writes its own reply to every prompt",
         description="Keep each record's prompt (system + first user turn) and let the target "
-                    "write the reply (batched generate, left padding, greedy or --temperature). "
+                    "write the reply on specdec's engine (continuous batching: --batch-size sequences at "
+                    "once; greedy, or sampled with --temperature). "
                     "Writes an OpenAI-messages JSONL; rerunning resumes, skipping ids already "
                     "written.\n\nexample:\n  specdec-data regenerate --target smollm2-135m "
                     "--data gsm8k --limit 400 --out runs/data/gsm8k.regen.jsonl",

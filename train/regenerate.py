@@ -64,33 +64,37 @@ def done_ids(out: Path) -> set[str]:
     return ids
 
 
-def _replies(engine, batch: list[list[dict]], params) -> list[tuple[str, str, int]]:
-    """(reply text, finish reason, new tokens) for a batch of prompts.
+def _replies(engine, todo: list[tuple[str, list[dict]]], params,
+             batch_size: int) -> Iterator[tuple[str, str, str, int]]:
+    """(prompt id, reply text, finish reason, new tokens) for each prompt, in the order they finish.
 
-    Runs on specdec's own engine (static KV cache, continuous batching): finished replies
-    free their slot for the next prompt, which is several times faster on CPU than
-    transformers' padded ``generate()``.
+    Runs on specdec's own engine (static KV cache, continuous batching): a finished reply frees
+    its slot for the next prompt, so the slots stay busy until the last prompts drain, once
+    per call rather than once per chunk of prompts. The waiting queue is topped up to one
+    batch, so prompts are tokenised as they are needed.
     """
     tok = engine.target.tokenizer
-    ids = []
-    for i, prompt in enumerate(batch):
-        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        rid = f"regen-{i}"
-        engine.add_request(rid, tok(text, add_special_tokens=False)["input_ids"], params)
-        ids.append(rid)
-    final = {}
-    while engine.has_unfinished():
+    pending = iter(todo)
+    ids: dict[str, str] = {}  # running request id -> prompt id
+    added = 0
+    while True:
+        while len(engine.waiting) < batch_size:
+            item = next(pending, None)
+            if item is None:
+                break
+            pid, prompt = item
+            text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            rid, added = f"regen-{added}", added + 1
+            engine.add_request(rid, tok(text, add_special_tokens=False)["input_ids"], params)
+            ids[rid] = pid
+        if not engine.has_unfinished():
+            return
         for out in engine.step(None):
             if out.finished:
-                final[out.request_id] = out
-    results = []
-    for rid in ids:
-        out = final[rid]
-        tokens = [t for t in out.token_ids if t not in engine.eos_ids]
-        finish = "stop" if out.finish_reason == "stop" else "length"
-        text = tok.decode(tokens, skip_special_tokens=True).strip()
-        results.append((text, finish, len(out.token_ids)))
-    return results
+                tokens = [t for t in out.token_ids if t not in engine.eos_ids]
+                finish = "stop" if out.finish_reason == "stop" else "length"
+                text = tok.decode(tokens, skip_special_tokens=True).strip()
+                yield ids.pop(out.request_id), text, finish, len(out.token_ids)
 
 
 def regenerate(target, data, out, *, limit: int | None = None, batch_size: int = 16,
@@ -117,7 +121,8 @@ def regenerate(target, data, out, *, limit: int | None = None, batch_size: int =
     done = done_ids(out)
     total = len(todo)
     todo = [(pid, p) for pid, p in todo if pid not in done]
-    # Similar lengths in a batch waste less left padding; order does not matter for resume.
+    # Prompts of similar lengths arrive together and prefill in one padded forward; order does
+    # not matter for resume (ids) or for the recipes (pipeline._first_replies restores it).
     todo.sort(key=lambda item: len(tok.apply_chat_template(item[1], tokenize=False)))
     from specdec.infer.engine import Engine
     from specdec.infer.requests import SamplingParams
@@ -132,21 +137,20 @@ def regenerate(target, data, out, *, limit: int | None = None, batch_size: int =
     stats = {"written": 0, "already_done": total - len(todo), "new_tokens": 0, "seconds": 0.0}
     bar = tqdm(total=len(todo), unit="prompt", desc="regenerate", disable=not progress)
     start = time.perf_counter()
+    prompts_by_id = dict(todo)
     with open(out, "a", encoding="utf-8") as f:
-        chunk = 4 * batch_size  # prompts per write: slots refill from the chunk as replies finish
-        for b in range(0, len(todo), chunk):
-            batch = todo[b:b + chunk]
-            replies = _replies(engine, [p for _, p in batch], params)
-            for (pid, prompt), (text, finish, n) in zip(batch, replies):
-                record = {"id": pid, "messages": prompt + [{"role": "assistant", "content": text}],
-                          "finish_reason": finish}
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                stats["new_tokens"] += n
-            f.flush()
-            os.fsync(f.fileno())  # a kill after this point never loses the batch
-            stats["written"] += len(batch)
+        for pid, text, finish, n in _replies(engine, todo, params, batch_size):
+            record = {"id": pid, "messages": prompts_by_id[pid] + [{"role": "assistant", "content": text}],
+                      "finish_reason": finish}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()  # a killed process loses nothing written; fsync guards against a crash
+            stats["written"] += 1
+            stats["new_tokens"] += n
+            if stats["written"] % batch_size == 0:
+                os.fsync(f.fileno())
             stats["seconds"] = time.perf_counter() - start
-            bar.update(len(batch))
+            bar.update(1)
             bar.set_postfix_str(f"{stats['new_tokens'] / max(stats['seconds'], 1e-9):.0f} tok/s")
+        os.fsync(f.fileno())
     bar.close()
     return stats

@@ -46,15 +46,16 @@ def test_replies_are_the_targets_own_greedy_output(tmp_path, tiny_target, prompt
         assert r["finish_reason"] in ("stop", "length")
     by_id = {r["id"]: r for r in records}
     assert by_id["p.jsonl/3"]["messages"][1]["content"] == "Question 3?!!!"
-    # The reply is what greedy generate() gives for that prompt alone (no padding effect).
+    # Each reply is what greedy generate() gives for that prompt alone: 8 prompts through 3
+    # slots, so most start while others are mid-reply (slots refilled as replies finish).
     tok, model = tiny_target.tokenizer, tiny_target.model
-    prompt = by_id["p.jsonl/5"]["messages"][:-1]
-    ids = tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
-              add_special_tokens=False, return_tensors="pt")["input_ids"]
-    alone = model.generate(ids, max_new_tokens=6, do_sample=False,
-                           pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
-    alone = alone[:alone.index(tok.eos_token_id)] if tok.eos_token_id in alone else alone
-    assert by_id["p.jsonl/5"]["messages"][-1]["content"] == tok.decode(alone, skip_special_tokens=True).strip()
+    for r in records:
+        ids = tok(tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False, return_tensors="pt")["input_ids"]
+        alone = model.generate(ids, max_new_tokens=6, do_sample=False,
+                               pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        alone = alone[:alone.index(tok.eos_token_id)] if tok.eos_token_id in alone else alone
+        assert r["messages"][-1]["content"] == tok.decode(alone, skip_special_tokens=True).strip(), r["id"]
     # The output reads back as OpenAI-format conversations.
     assert len(load_conversations([out], on_error="fail")) == 8
 
