@@ -64,37 +64,24 @@ def done_ids(out: Path) -> set[str]:
     return ids
 
 
-def _replies(engine, todo: list[tuple[str, list[dict]]], params,
-             batch_size: int) -> Iterator[tuple[str, str, str, int]]:
-    """(prompt id, reply text, finish reason, new tokens) for each prompt, in the order they finish.
+def _replies(engine, prompts: list[tuple[str, str]], params) -> Iterator[tuple[str, str, str, int]]:
+    """(prompt id, reply text, finish reason, new tokens) for each (prompt id, chat text), in
+    the order the replies finish.
 
-    Runs on specdec's own engine (static KV cache, continuous batching): a finished reply frees
-    its slot for the next prompt, so the slots stay busy until the last prompts drain, once
-    per call rather than once per chunk of prompts. The waiting queue is topped up to one
-    batch, so prompts are tokenised as they are needed.
+    Runs on specdec's own engine (static KV cache, continuous batching): every prompt is queued
+    at once and a finished reply frees its slot for the next one, so the slots stay busy until
+    the last replies drain.
     """
     tok = engine.target.tokenizer
-    pending = iter(todo)
-    ids: dict[str, str] = {}  # running request id -> prompt id
-    added = 0
-    while True:
-        while len(engine.waiting) < batch_size:
-            item = next(pending, None)
-            if item is None:
-                break
-            pid, prompt = item
-            text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            rid, added = f"regen-{added}", added + 1
-            engine.add_request(rid, tok(text, add_special_tokens=False)["input_ids"], params)
-            ids[rid] = pid
-        if not engine.has_unfinished():
-            return
+    for i, (_, text) in enumerate(prompts):
+        engine.add_request(str(i), tok(text, add_special_tokens=False)["input_ids"], params)
+    while engine.has_unfinished():
         for out in engine.step(None):
             if out.finished:
                 tokens = [t for t in out.token_ids if t not in engine.eos_ids]
                 finish = "stop" if out.finish_reason == "stop" else "length"
                 text = tok.decode(tokens, skip_special_tokens=True).strip()
-                yield ids.pop(out.request_id), text, finish, len(out.token_ids)
+                yield prompts[int(out.request_id)][0], text, finish, len(out.token_ids)
 
 
 def regenerate(target, data, out, *, limit: int | None = None, batch_size: int = 16,
@@ -121,13 +108,15 @@ def regenerate(target, data, out, *, limit: int | None = None, batch_size: int =
     done = done_ids(out)
     total = len(todo)
     todo = [(pid, p) for pid, p in todo if pid not in done]
+    # The prompt as the target reads it, rendered once for the order, the cache size and the requests.
+    texts = {pid: tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for pid, p in todo}
     # Prompts of similar lengths arrive together and prefill in one padded forward; order does
     # not matter for resume (ids) or for the recipes (pipeline._first_replies restores it).
-    todo.sort(key=lambda item: len(tok.apply_chat_template(item[1], tokenize=False)))
+    todo.sort(key=lambda item: len(texts[item[0]]))
     from specdec.infer.engine import Engine
     from specdec.infer.requests import SamplingParams
 
-    longest = max((len(tok.apply_chat_template(p, tokenize=False)) for _, p in todo), default=0)
+    longest = max(map(len, texts.values()), default=0)
     dtype = next(target.model.parameters()).dtype
     # max_len in tokens: characters bound the prompt's token count from above.
     engine = Engine(target, None, max_batch=batch_size, max_len=longest + 16 + max_new_tokens,
@@ -139,7 +128,7 @@ def regenerate(target, data, out, *, limit: int | None = None, batch_size: int =
     start = time.perf_counter()
     prompts_by_id = dict(todo)
     with open(out, "a", encoding="utf-8") as f:
-        for pid, text, finish, n in _replies(engine, todo, params, batch_size):
+        for pid, text, finish, n in _replies(engine, [(pid, texts[pid]) for pid, _ in todo], params):
             record = {"id": pid, "messages": prompts_by_id[pid] + [{"role": "assistant", "content": text}],
                       "finish_reason": finish}
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
