@@ -91,6 +91,9 @@ def target_part(target, role: str) -> nn.Module:
             if hasattr(decoder, name):
                 return getattr(decoder, name)
         raise HeadShapeError(f"target {target.name} has no final norm the head can copy")
+    if role == "layers":
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        return decoder.layers
     raise ValueError(f"unknown frozen part role {role!r}")
 
 

@@ -43,6 +43,8 @@ class Eagle3Config(EagleLayerConfig):
     norm_before_residual: bool = False    # speculators/vLLM option: residual = hidden_norm(g)
     ttt_steps: int = 7                    # training-time-test unroll length (EAGLE-3 uses 7)
     step_decay: float = 0.8               # loss weight of step k = step_decay**k
+    init_layer: int | None = None         # start the draft layer from this target decoder layer
+                                          # (-1: the last; None: random, as EAGLE-3's authors)
 
 
 class Eagle3Layer(nn.Module):
@@ -147,6 +149,33 @@ class Eagle3Head(EagleFamily):
         target's final norm: lm_head(norm(out)) then begins close to the target's logits."""
         self.lm_head.weight.copy_(self.verifier_lm_head.weight[self.token_map])
         self.norm.weight.copy_(target_part(target, "norm").weight.to(self.norm.weight.dtype))
+        if self.config.init_layer is not None:
+            self._init_layer_from_target(target, self.config.init_layer)
+
+    @torch.no_grad()
+    def _init_layer_from_target(self, target, index: int) -> None:
+        """Start the draft layer as a copy of one target decoder layer: its q/k/v read
+        [embed ; feature], so each half gets the target's projection / sqrt(2) (the sum of two
+        unit-RMS inputs), and fc starts by passing the highest aux feature through."""
+        layers = target_part(target, "layers")
+        if not -len(layers) <= index < len(layers):
+            raise ValueError(f"init_layer={index}, but the target has {len(layers)} decoder layers")
+        src = layers[index]
+        mine = self.layers[0]
+        def put(dst, w):
+            dst.copy_(w.to(dst.dtype))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(src.self_attn, name).weight
+            put(getattr(mine.self_attn, name).weight, torch.cat([w, w], 1) / 2 ** 0.5)
+        put(mine.self_attn.o_proj.weight, src.self_attn.o_proj.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            put(getattr(mine.mlp, name).weight, getattr(src.mlp, name).weight)
+        for name in ("input_layernorm", "hidden_norm"):
+            put(getattr(mine, name).weight, src.input_layernorm.weight)
+        put(mine.post_attention_layernorm.weight, src.post_attention_layernorm.weight)
+        H = self.config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, -H:] = torch.eye(H, dtype=self.fc.weight.dtype)
 
     # --- the EAGLE family hooks -----------------------------------------------------------------
     def feature_spec(self) -> FeatureSpec:

@@ -194,3 +194,26 @@ def test_overfitted_head_drafts_the_continuation(tiny_target, kit, greedy_seq, n
         tree = drafter.propose(torch.tensor([0]), seq[n:n + 1], TreeBudget(3, 3, 1))
         hits += tree.top_path(0) == seq[n:n + 4].tolist()
     assert hits >= 3
+
+
+def test_eagle3_can_start_from_a_target_layer(tiny_target, kit):
+    """init_layer copies one target decoder layer into the draft layer (q/k/v split over the
+    [embed ; feature] halves) and starts fc passing the highest aux feature through; the head
+    still trains from there and keeps init_layer in its saved config."""
+    torch.manual_seed(0)
+    head = get_head_class("eagle3").from_target(tiny_target, init_layer=-1, ttt_steps=2)
+    src, mine = tiny_target.model.model.layers[-1], head.layers[0]
+    w = src.self_attn.q_proj.weight
+    assert torch.allclose(mine.self_attn.q_proj.weight, torch.cat([w, w], 1) / 2 ** 0.5)
+    assert torch.equal(mine.mlp.down_proj.weight, src.mlp.down_proj.weight)
+    assert torch.equal(mine.post_attention_layernorm.weight, src.post_attention_layernorm.weight)
+    H = head.config.hidden_size
+    aux = torch.randn(2, 5, 3 * H)
+    assert torch.allclose(head.fuse_feature(aux), aux[..., -H:])
+    seq = torch.randint(0, 256, (2, 24))
+    batch = kit.batch(tiny_target, seq, torch.ones_like(seq, dtype=torch.bool),
+                      aux_layers=head.feature_spec().aux_layers)
+    _, losses = kit.train(head, batch, 20, lr=3e-3)
+    assert losses[-1] < 0.9 * losses[0]
+    with pytest.raises(ValueError, match="init_layer=99"):
+        get_head_class("eagle3").from_target(tiny_target, init_layer=99)
