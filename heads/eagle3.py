@@ -11,7 +11,9 @@ bool marks target tokens in the draft vocab, as vLLM / speculators store them. C
 loss-masked token counts; `count_tokens` computes them). Training unrolls `ttt_steps` steps (the
 first reads the target's fused features, the rest the head's own outputs) with per-step weight
 `step_decay**k`; positions whose target argmax is outside the draft vocab are masked, as EAGLE-3
-does. Parameter names are vLLM's / speculators' (`fc.weight`, `layers.0.hidden_norm.weight`,
+does. `init_layer` starts the draft layer as a copy of one target decoder layer (the CPU recipe
+uses the last: with little data that prior is worth more than the steps, docs/BENCHMARKS.md
+session 21). Parameter names are vLLM's / speculators' (`fc.weight`, `layers.0.hidden_norm.weight`,
 `layers.0.input_layernorm.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`).
 """
 from __future__ import annotations
