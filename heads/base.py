@@ -79,20 +79,22 @@ def frozen_linear(d_in: int, d_out: int) -> nn.Linear:
 
 
 def target_part(target, role: str) -> nn.Module:
-    """The target's module for a role: embed_tokens, lm_head or norm (the final norm)."""
+    """The target's module for a role: embed_tokens, lm_head, norm (the final norm) or layers
+    (its decoder layers)."""
     model = target.model
     if role == "embed_tokens":
         return model.get_input_embeddings()
     if role == "lm_head":
         return model.get_output_embeddings()
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     if role == "norm":
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         for name in ("norm", "final_layernorm", "ln_f"):
             if hasattr(decoder, name):
                 return getattr(decoder, name)
         raise HeadShapeError(f"target {target.name} has no final norm the head can copy")
     if role == "layers":
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        if not hasattr(decoder, "layers"):
+            raise HeadShapeError(f"target {target.name} has no decoder layers the head can copy")
         return decoder.layers
     raise ValueError(f"unknown frozen part role {role!r}")
 

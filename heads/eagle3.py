@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .base import (FeatureSpec, chunked_logit_loss, depth_valid_mask, frozen_embedding,
+from .base import (FeatureSpec, HeadShapeError, chunked_logit_loss, depth_valid_mask, frozen_embedding,
                    frozen_linear, init_linear_, masked_mean, shift_left, soft_labels, target_part)
 from .common import mean_loss
 from .eagle import EagleFamily, EagleLayerConfig
@@ -158,23 +158,29 @@ class Eagle3Head(EagleFamily):
     def _init_layer_from_target(self, target, index: int) -> None:
         """Start the draft layer as a copy of one target decoder layer: its q/k/v read
         [embed ; feature], so each half gets the target's projection / sqrt(2) (the sum of two
-        unit-RMS inputs), and fc starts by passing the highest aux feature through."""
+        unit-RMS inputs), and fc starts by passing the highest aux feature through. Only weights
+        are copied (a target's q/k/v biases, as Qwen2's, are left out: a starting point)."""
         layers = target_part(target, "layers")
         if not -len(layers) <= index < len(layers):
             raise ValueError(f"init_layer={index}, but the target has {len(layers)} decoder layers")
-        src = layers[index]
-        mine = self.layers[0]
-        def put(dst, w):
-            dst.copy_(w.to(dst.dtype))
-        for name in ("q_proj", "k_proj", "v_proj"):
-            w = getattr(src.self_attn, name).weight
-            put(getattr(mine.self_attn, name).weight, torch.cat([w, w], 1) / 2 ** 0.5)
-        put(mine.self_attn.o_proj.weight, src.self_attn.o_proj.weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            put(getattr(mine.mlp, name).weight, getattr(src.mlp, name).weight)
-        for name in ("input_layernorm", "hidden_norm"):
-            put(getattr(mine, name).weight, src.input_layernorm.weight)
-        put(mine.post_attention_layernorm.weight, src.post_attention_layernorm.weight)
+        src, mine = layers[index], self.layers[0]
+        try:
+            copies = {f"{n}.weight": src.get_submodule(n).weight for n in (
+                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                "post_attention_layernorm", "input_layernorm")}
+            for n in ("q_proj", "k_proj", "v_proj"):
+                w = src.get_submodule(f"self_attn.{n}").weight
+                copies[f"self_attn.{n}.weight"] = torch.cat([w, w], 1) / 2 ** 0.5
+        except AttributeError as err:
+            raise HeadShapeError(f"init_layer needs a Llama-style target layer (self_attn.q_proj, "
+                                 f"mlp.gate_proj, input_layernorm, ...): {err}") from None
+        copies["hidden_norm.weight"] = copies["input_layernorm.weight"]
+        params = dict(mine.named_parameters())
+        for name, w in copies.items():
+            if params[name].shape != w.shape:
+                raise HeadShapeError(f"init_layer={index}: layers.0.{name} is {tuple(params[name].shape)}, "
+                                     f"the target layer gives {tuple(w.shape)}")
+            params[name].copy_(w.to(params[name].dtype))
         H = self.config.hidden_size
         self.fc.weight.zero_()
         self.fc.weight[:, -H:] = torch.eye(H, dtype=self.fc.weight.dtype)

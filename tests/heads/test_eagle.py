@@ -217,3 +217,13 @@ def test_eagle3_can_start_from_a_target_layer(tiny_target, kit):
     assert losses[-1] < 0.9 * losses[0]
     with pytest.raises(ValueError, match="init_layer=99"):
         get_head_class("eagle3").from_target(tiny_target, init_layer=99)
+
+
+def test_eagle3_init_layer_names_a_shape_mismatch(tiny_target):
+    """A draft layer shaped unlike the target's layer is refused with the tensor named."""
+    from specdec.heads import HeadShapeError
+
+    wider = tiny_target.config.intermediate_size + 8
+    with pytest.raises(HeadShapeError, match=r"init_layer=-1: layers\.0\.mlp\.\w+_proj\.weight"):
+        get_head_class("eagle3").from_target(tiny_target, intermediate_size=wider, init_layer=-1)
+    get_head_class("eagle3").from_target(tiny_target, intermediate_size=wider)  # random init: fine
