@@ -196,10 +196,11 @@ def test_overfitted_head_drafts_the_continuation(tiny_target, kit, greedy_seq, n
     assert hits >= 3
 
 
-def test_eagle3_can_start_from_a_target_layer(tiny_target, kit):
+def test_eagle3_can_start_from_a_target_layer(tiny_target, kit, tmp_path):
     """init_layer copies one target decoder layer into the draft layer (q/k/v split over the
     [embed ; feature] halves) and starts fc passing the highest aux feature through; the head
-    still trains from there and keeps init_layer in its saved config."""
+    still trains from there, keeps init_layer in its saved config, and loads its trained weights
+    (loading does not copy the target's layer again)."""
     torch.manual_seed(0)
     head = get_head_class("eagle3").from_target(tiny_target, init_layer=-1, ttt_steps=2)
     src, mine = tiny_target.model.model.layers[-1], head.layers[0]
@@ -215,6 +216,11 @@ def test_eagle3_can_start_from_a_target_layer(tiny_target, kit):
                       aux_layers=head.feature_spec().aux_layers)
     _, losses = kit.train(head, batch, 20, lr=3e-3)
     assert losses[-1] < 0.9 * losses[0]
+    head.save_pretrained(tmp_path / "h")
+    loaded = load_head(tmp_path / "h", tiny_target)
+    assert loaded.config.init_layer == -1
+    assert torch.equal(loaded.layers[0].mlp.down_proj.weight, head.layers[0].mlp.down_proj.weight)
+    assert not torch.equal(loaded.layers[0].mlp.down_proj.weight, src.mlp.down_proj.weight)
     with pytest.raises(ValueError, match="init_layer=99"):
         get_head_class("eagle3").from_target(tiny_target, init_layer=99)
 
