@@ -184,6 +184,7 @@ class GoodputPolicy(Policy):
                                    clear=0.9, warmup_explore=max(gate_explore // 4, 4)) if gate else None
         self.current: dict = {}
         self._streak = 0
+        self._planned_at = -2  # ctl.steps when the models last planned
         self._plain_steps = 0
         self._played: tuple | None = None
 
@@ -195,26 +196,38 @@ class GoodputPolicy(Policy):
         if allowed == ("plain",):  # big batches where speculation lost: no models to consult
             self._played = (bucket, self.gate.choose(bucket, allowed=allowed))
             return dict.fromkeys(rids, 0)
-        exp = ctl.expected_tokens(rids)  # [R, L]
-        plan = self._model_plan(ctl, rids, exp)
-        if len(ctl.nodes) < 2:  # plain decoding is the only level
-            return plan
-        if self.gate is None:
-            return self._explore_without_gate(plan, rids)
-        model_speculates = any(plan.values())
-        if not model_speculates:  # the "model" arm must speculate: the best uniform plan
-            plan = dict.fromkeys(rids, _best_uniform_level(ctl, exp))
-        # A bucket's first leader, where the models would speculate, is the full tree: at batch 1
-        # their plan picked 3-4 nodes of 12 and the pairs (tokens per step swinging from 1 to 13
-        # with the copies) seldom overturned it. Offline twin of the server, 24 requests at
-        # concurrency 1 (hybrid, bf16): 0.90-0.97x the tokens/s of always-on; starting from the
-        # full tree 1.00-1.08x. At concurrency 4, where plain wins, the pairs still demote it
-        # (0.95-1.09x of plain, as before).
-        arm = self.gate.choose(bucket, default="full" if model_speculates else "plain", allowed=allowed)
+        if len(ctl.nodes) < 2 or self.gate is None:  # plain is the only level, or no gate
+            plan = self._model_plan(ctl, rids, ctl.expected_tokens(rids))
+            return plan if len(ctl.nodes) < 2 else self._explore_without_gate(plan, rids)
+        # The models are consulted only where their answer is used: a bucket's first decision
+        # and the model arm's steps. Planning costs ~0.25 ms of Python at batch 4 (~1% of a
+        # step there), every step, mostly for a plain leader that ignores it.
+        plan = default = None
+        if bucket not in self.gate.leader:
+            # A bucket's first leader, where the models would speculate, is the full tree: at
+            # batch 1 their plan picked 3-4 nodes of 12 and the pairs (tokens per step swinging
+            # from 1 to 13 with the copies) seldom overturned it. Offline twin of the server, 24
+            # requests at concurrency 1 (hybrid, bf16): 0.90-0.97x the tokens/s of always-on;
+            # starting from the full tree 1.00-1.08x. At concurrency 4, where plain wins, the
+            # pairs still demote it (0.95-1.09x of plain, as before).
+            plan, speculates = self._speculating_plan(ctl, rids)
+            default = "full" if speculates else "plain"
+        arm = self.gate.choose(bucket, default=default, allowed=allowed)
         self._played = (bucket, arm)
         if arm == "full":
             return dict.fromkeys(rids, len(ctl.nodes) - 1)
-        return plan if arm == "model" else dict.fromkeys(rids, 0)
+        if arm == "plain":
+            return dict.fromkeys(rids, 0)
+        return plan if plan is not None else self._speculating_plan(ctl, rids)[0]
+
+    def _speculating_plan(self, ctl, rids) -> tuple[dict, bool]:
+        """The models' plan (hysteresis applied) and whether it speculates; one that does not
+        becomes the best uniform speculating level (the model arm must speculate)."""
+        exp = ctl.expected_tokens(rids)  # [R, L]
+        plan = self._model_plan(ctl, rids, exp)
+        if any(plan.values()):
+            return plan, True
+        return dict.fromkeys(rids, _best_uniform_level(ctl, exp)), False
 
     def _arms(self, bucket: int) -> tuple:
         """A speculating arm is left out of a bucket once a smaller batch measured it slower than
@@ -242,8 +255,10 @@ class GoodputPolicy(Policy):
     def _model_plan(self, ctl, rids, exp: np.ndarray) -> dict:
         best = best_plan(exp, ctl.used, lambda n, g: ctl.step_time(len(rids), n, g))
         cand = dict(zip(rids, best))
-        # Requests that just joined take the new plan's level at once: nothing to flap from.
-        cur = {r: self.current.get(r, cand[r]) for r in rids}
+        # Requests that just joined take the new plan's level at once: nothing to flap from;
+        # nor has anyone when the models were not asked the step before (another arm played).
+        fresh, self._planned_at = self._planned_at != ctl.steps - 1, ctl.steps
+        cur = {r: cand[r] if fresh else self.current.get(r, cand[r]) for r in rids}
         g_cur = ctl.predicted_goodput(rids, [cur[r] for r in rids], exp)
         g_new = ctl.predicted_goodput(rids, best, exp)
         self._streak = self._streak + 1 if g_new > g_cur * (1.0 + self.margin) else 0

@@ -24,6 +24,11 @@ from dataclasses import dataclass, field
 from .controller import ConfidenceTap, SpeculationController, StepObservation
 from .metrics import ServerMetrics
 
+# How often the controller's fitted models reach /metrics: refitting the cost model and pooling
+# the acceptance rates every step cost ~0.2 ms (~1% of a batch-4 step); scrapes come every
+# few seconds.
+MODEL_METRICS_PERIOD_S = 0.5
+
 log = logging.getLogger("specdec.serve")
 
 
@@ -138,6 +143,7 @@ class Scheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self.active = 0  # submitted and not finished (read by the drain logic)
+        self._model_metrics_due = 0.0  # time.monotonic() of the next controller-model update
 
     # --- asyncio side ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -293,11 +299,13 @@ class Scheduler:
                 self._running.pop(out.request_id)
                 self._release(out.request_id)
             self._send(handle, delta)
-        ctl = self.controller
+        ctl, rates, cost = self.controller, None, None
+        if ctl is not None and time.monotonic() >= self._model_metrics_due:
+            self._model_metrics_due = time.monotonic() + MODEL_METRICS_PERIOD_S
+            rates, cost = ctl.acceptance.pooled_rates(), ctl.cost.coefficients()
         self.metrics.on_step(
             obs.batch_size, obs.seconds, new_tokens, len(obs.accepted), sum(obs.accepted.values()),
-            [b.max_nodes for b in used.values()], ctl.acceptance.pooled_rates() if ctl else None,
-            ctl.cost.coefficients() if ctl else None)
+            [b.max_nodes for b in used.values()], rates, cost)
 
 
 def observation(stats, wall: float) -> StepObservation:

@@ -256,6 +256,29 @@ def test_goodput_bigger_batches_keep_only_arms_that_beat_plain(model_vs_plain, k
     assert pol._arms(1) == pol._arms(0) == GoodputPolicy.ARMS  # nothing smaller was measured
 
 
+def test_goodput_asks_the_models_only_when_their_plan_is_played():
+    """Planning is Python on the engine's hot path: once plain decoding leads a bucket, only the
+    steps that explore the models' plan consult them, and that plan is then the models' current
+    choice (no hysteresis carried over from steps that played another arm)."""
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)))
+    speed = {0: 100.0, 2: 60.0, 8: 40.0}  # plain is fastest at batch 4
+    rids = ["a", "b", "c", "d"]
+    asked, ask = [], ctl.expected_tokens
+    ctl.expected_tokens = lambda r: asked.append(ctl.steps) or ask(r)
+    played = []
+    for _ in range(400):
+        nodes = max(b.max_nodes for b in ctl.plan(rids).values())
+        played.append(nodes)
+        tokens = len(rids) * (1 + min(nodes, 1))
+        ctl.observe(StepObservation(batch_size=4, tokens=4 * (1 + nodes), seconds=1.0,
+                                    decode_seconds=tokens / speed[nodes], accepted={r: min(nodes, 1) for r in rids}))
+    assert ctl.policy.gate.leader[2] == "plain"
+    late = range(200, 400)
+    model_steps = [s for s in late if played[s] == 2]  # the models' plan (the full tree is 8)
+    assert played[200:].count(0) >= 0.9 * 200
+    assert [s for s in asked if s >= 200] == model_steps
+
+
 def test_cost_follows_the_nodes_a_drafter_really_uses():
     """A drafter that fills a 12-node budget with 3 nodes costs what 3 nodes cost: the controller
     learns the nodes verified per level and prices plans with them (smaller levels capped too)."""
