@@ -200,8 +200,8 @@ class GoodputPolicy(Policy):
             plan = self._model_plan(ctl, rids, ctl.expected_tokens(rids))
             return plan if len(ctl.nodes) < 2 else self._explore_without_gate(plan, rids)
         # The models are consulted only where their answer is used: a bucket's first decision
-        # and the model arm's steps. Planning costs ~0.25 ms of Python at batch 4 (~1% of a
-        # step there), every step, mostly for a plain leader that ignores it.
+        # and the model arm's steps. Planning costs ~0.2 ms of Python at batch 4 and ~0.5 at
+        # batch 16 (1-2% of a step there), which a plain leader would pay every step for nothing.
         plan = default = None
         if bucket not in self.gate.leader:
             # A bucket's first leader, where the models would speculate, is the full tree: at
