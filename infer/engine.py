@@ -42,6 +42,7 @@ class StepStats:
 
     batch_size: int = 0          # sequences verified (decode rows)
     tokens_verified: int = 0     # valid tree nodes scored by the target, roots included
+    tokens_computed: int = 0     # rows x the widest row's nodes: every row is padded to it
     prefill_tokens: int = 0      # prompt tokens run this step
     cached_tokens: int = 0       # prompt tokens copied from the prefix cache instead
     seconds: float = 0.0
@@ -240,6 +241,7 @@ class Engine:
         if max(n_list) > 0:  # roots already sit at base_len: only accepted drafts move
             self.runner.commit(slots, base_lens, path, n_acc)
         stats.batch_size, stats.tokens_verified = len(live), int(tree.valid.sum())
+        stats.tokens_computed = len(live) * tree.num_nodes
         row_nodes = tree.valid.sum(1).tolist()
         plain_feats = None  # plain rows' features, kept for the drafter's deferred commit (_feed)
         if self.drafter is not None and any(bud.max_nodes == 0 for bud in budgets):

@@ -221,13 +221,17 @@ class GoodputPolicy(Policy):
         return plan if plan is not None else self._speculating_plan(ctl, rids)[0]
 
     def _speculating_plan(self, ctl, rids) -> tuple[dict, bool]:
-        """The models' plan (hysteresis applied) and whether it speculates; one that does not
-        becomes the best uniform speculating level (the model arm must speculate)."""
+        """The plan the model arm plays and whether the models expect it to beat plain decoding.
+        The arm must speculate: the models' plan (hysteresis applied), or the best uniform
+        level where that one is plain or, priced as the engine verifies it (every row padded to
+        the widest tree), worth less: a mixed plan, one request drafting 12 nodes beside a plain
+        one, computes 2 x 13 tokens, while ``best_plan`` charges it 14."""
         exp = ctl.expected_tokens(rids)  # [R, L]
-        plan = self._model_plan(ctl, rids, exp)
-        if any(plan.values()):
-            return plan, True
-        return dict.fromkeys(rids, _best_uniform_level(ctl, exp)), False
+        levels = [self._model_plan(ctl, rids, exp)[r] for r in rids]
+        uniform = [_best_uniform_level(ctl, exp)] * len(rids)
+        padded = lambda lv: ctl.predicted_goodput(rids, lv, exp, padded=True)  # noqa: E731
+        best = levels if any(levels) and padded(levels) >= padded(uniform) else uniform
+        return dict(zip(rids, best)), padded(best) > padded([0] * len(rids))
 
     def _arms(self, bucket: int) -> tuple:
         """A speculating arm is left out of a bucket once a smaller batch measured it slower than
@@ -362,9 +366,15 @@ class SpeculationController:
     def step_time(self, batch: int, tokens: float, groups: int) -> float:
         return self.cost.predict(batch, tokens, 0, groups)
 
-    def predicted_goodput(self, rids, levels, exp=None) -> float:
+    def predicted_goodput(self, rids, levels, exp=None, padded: bool = False) -> float:
+        """Expected tokens per second of a plan (a level per request). padded: priced as the
+        engine verifies it, every row padded to the widest tree (``best_plan`` prices the nodes
+        each request drafts, as a packed verification would)."""
         exp = self.expected_tokens(rids) if exp is None else exp
-        tokens = sum(1 + self.used[l] for l in levels)
+        if padded:
+            tokens = len(levels) * (1 + max(self.used[l] for l in levels))
+        else:
+            tokens = sum(1 + self.used[l] for l in levels)
         groups = len({l for l in levels if self.nodes[l] > 0})
         gain = sum(exp[i, l] for i, l in enumerate(levels))
         return gain / self.step_time(len(rids), tokens, groups)

@@ -313,7 +313,8 @@ def observation(stats, wall: float) -> StepObservation:
     budgets = dict(getattr(stats, "budgets", None) or {})  # request id -> TreeBudget actually used
     return StepObservation(
         batch_size=int(stats.batch_size),
-        tokens=int(stats.tokens_verified),
+        # what the verification computed: the engine pads every row to the widest tree
+        tokens=int(getattr(stats, "tokens_computed", 0) or stats.tokens_verified),
         seconds=float(stats.seconds or wall),
         accepted=dict(stats.accepted),
         verified=dict(getattr(stats, "verified", None) or {}),

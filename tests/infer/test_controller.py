@@ -279,6 +279,24 @@ def test_goodput_asks_the_models_only_when_their_plan_is_played():
     assert [s for s in asked if s >= 200] == model_steps
 
 
+def test_model_arm_prices_plans_as_the_engine_pads_them():
+    """best_plan gives the budget to the request that accepts (priced per drafted node), but the
+    engine pads every row to the widest tree: the plain row beside a 9-token tree costs 9 tokens
+    too. Priced that way a uniform level is worth more, and the model arm plays it."""
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 4, 8)),
+                          cost=CostModel(prior=CostPrior(a=0.02, b=0.0, c=0.002, e=0.0, g=0.0)))
+    exp = np.array([[1.0, 1.1, 1.15, 1.2],   # drafts for "a" almost never accepted
+                    [1.0, 2.9, 4.6, 6.5]])   # "b" accepts nearly everything
+    ctl.expected_tokens = lambda rids: exp
+    rids = ["a", "b"]
+    assert best_plan(exp, ctl.used, lambda n, g: ctl.step_time(2, n, g)) == [0, 3]
+    plan, speculates = ctl.policy._speculating_plan(ctl, rids)
+    assert plan == {"a": 2, "b": 2} and speculates
+    padded = lambda lv: ctl.predicted_goodput(rids, lv, exp, padded=True)  # noqa: E731
+    assert padded([2, 2]) > padded([0, 3]) > padded([0, 0])
+    assert ctl.predicted_goodput(rids, [0, 3], exp) > ctl.predicted_goodput(rids, [2, 2], exp)
+
+
 def test_cost_follows_the_nodes_a_drafter_really_uses():
     """A drafter that fills a 12-node budget with 3 nodes costs what 3 nodes cost: the controller
     learns the nodes verified per level and prices plans with them (smaller levels capped too)."""

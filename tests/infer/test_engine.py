@@ -157,6 +157,8 @@ def test_random_trees_are_lossless_in_greedy(tiny_target, plain_outputs, batch):
     assert final["r2"].stats["accepted_per_step"] == [0] * final["r2"].stats["steps"]
     assert final["r0"].stats["tau"] > 1.0
     assert engine.last_step.tokens_verified >= engine.last_step.batch_size >= 1
+    last = engine.last_step  # every row is padded to the widest tree: what the controller prices
+    assert last.tokens_computed % last.batch_size == 0 and last.tokens_computed >= last.tokens_verified
 
 
 
