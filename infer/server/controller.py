@@ -227,7 +227,8 @@ class GoodputPolicy(Policy):
         the widest tree), worth less: a mixed plan, one request drafting 12 nodes beside a plain
         one, computes 2 x 13 tokens, while ``best_plan`` charges it 14."""
         exp = ctl.expected_tokens(rids)  # [R, L]
-        levels = [self._model_plan(ctl, rids, exp)[r] for r in rids]
+        plan = self._model_plan(ctl, rids, exp)
+        levels = [plan[r] for r in rids]
         uniform = [_best_uniform_level(ctl, exp)] * len(rids)
         padded = lambda lv: ctl.predicted_goodput(rids, lv, exp, padded=True)  # noqa: E731
         best = levels if any(levels) and padded(levels) >= padded(uniform) else uniform

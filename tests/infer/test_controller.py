@@ -290,8 +290,11 @@ def test_model_arm_prices_plans_as_the_engine_pads_them():
     ctl.expected_tokens = lambda rids: exp
     rids = ["a", "b"]
     assert best_plan(exp, ctl.used, lambda n, g: ctl.step_time(2, n, g)) == [0, 3]
+    planned, model_plan = [], ctl.policy._model_plan
+    ctl.policy._model_plan = lambda *a: planned.append(1) or model_plan(*a)
     plan, speculates = ctl.policy._speculating_plan(ctl, rids)
     assert plan == {"a": 2, "b": 2} and speculates
+    assert len(planned) == 1  # one plan a step: it advances the hysteresis
     padded = lambda lv: ctl.predicted_goodput(rids, lv, exp, padded=True)  # noqa: E731
     assert padded([2, 2]) > padded([0, 3]) > padded([0, 0])
     assert ctl.predicted_goodput(rids, [0, 3], exp) > ctl.predicted_goodput(rids, [2, 2], exp)
