@@ -89,6 +89,8 @@ class OptimConfig:
     grad_accum: int = 1
     clip: float = 1.0  # max gradient norm; 0 disables clipping
     seed: int = 0  # head initialisation, dropout, data order
+    freeze: list[str] = field(default_factory=list)  # parameter names (or their prefixes, e.g.
+    # layers.0.mlp) kept at their starting values: a head started from target weights keeps them
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 
 # lm_head rows are projected this many positions at a time for top-k, so that a long
 # batch never materialises the whole [B, T, V] logits tensor (49k vocab x 16k tokens = 3 GB).
-_LOGIT_CHUNK = 2048
+_LOGIT_CHUNK = 64
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -24,6 +24,7 @@ import torch
 
 from .batches import OnlineSource, StoreSource
 from .config import Recipe, resolve_head_class, split_loss
+from .yamlnodes import RecipeError
 from .runlog import RunLogger
 from .trainer import DistInfo, Trainer, barrier, setup_distributed
 
@@ -42,8 +43,9 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
             (out / "metrics.jsonl").unlink(missing_ok=True)
     barrier()
     target = load_target(recipe.target.name, dtype=recipe.target.dtype, device=dist.device)
+    head = build_head(recipe, target)   # before the data work: a bad optim.freeze fails here
     train_ds, eval_ds = prepare_data(recipe, target, dist)
-    head = build_head(recipe, target, train_ds)
+    choose_draft_vocab(head, train_ds, target.vocab_size)
     if dist.is_main:  # now with every head field the target decided (hidden size, vocab, ...)
         recipe.dump(out / "recipe.resolved.yaml", head_fields=_head_fields(head))
     spec = head.feature_spec()
@@ -207,16 +209,37 @@ def token_counts(dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def build_head(recipe: Recipe, target, train_ds):
-    """``from_target`` with the recipe's fields (seeded), then the head's data hook."""
+def build_head(recipe: Recipe, target):
+    """``from_target`` with the recipe's fields (seeded), `optim.freeze` applied."""
     head_cls = resolve_head_class(recipe.head.type)
     loss_fields, _ = split_loss(head_cls, recipe.loss)
     torch.manual_seed(recipe.optim.seed)
     head = head_cls.from_target(target, **recipe.head.fields, **loss_fields)
-    hook = getattr(head, "set_draft_vocab", None)  # heads with a reduced vocab choose it here
-    if callable(hook):
-        hook(token_counts(train_ds, target.vocab_size))
+    try:
+        freeze_parameters(head, recipe.optim.freeze)
+    except ValueError as err:
+        raise RecipeError(f"{recipe.source}: optim.freeze: {err}") from None
     return head
+
+
+def choose_draft_vocab(head, train_ds, vocab_size: int) -> None:
+    """The data hook of heads with a reduced vocab (EAGLE-3): keep the data's frequent tokens."""
+    hook = getattr(head, "set_draft_vocab", None)
+    if callable(hook):
+        hook(token_counts(train_ds, vocab_size))
+
+
+def freeze_parameters(head: torch.nn.Module, prefixes: list[str]) -> None:
+    """Keep the parameters `optim.freeze` names (whole names or dotted prefixes) at their
+    starting values: a head started from target weights (init_layer, the LM head rows) keeps them."""
+    names = [n for n, p in head.named_parameters() if p.requires_grad]
+    for prefix in prefixes:
+        hits = [n for n in names if n == prefix or n.startswith(prefix + ".")]
+        if not hits:
+            raise ValueError(f"{prefix!r} names no trainable parameter of this head "
+                             f"(it has: {', '.join(names)})")
+        for n in hits:
+            head.get_parameter(n).requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------- features

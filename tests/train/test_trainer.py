@@ -115,6 +115,34 @@ def test_online_features_train_like_captured_ones(tmp_path, tiny_target):
     assert curves["online"] == pytest.approx(curves["offline"], rel=1e-4)
 
 
+def test_frozen_parameters_keep_their_starting_values(tmp_path, tiny_target):
+    """optim.freeze: the EAGLE-3 draft LM head starts as the target's rows and stays them, while
+    the rest trains; a name that matches nothing fails before any work, naming it."""
+    from specdec.infer.target import load_target
+    from specdec.train.config import load_recipe
+    from specdec.train.pipeline import run
+
+    target = load_target("tiny-llama")
+    heads = {}
+    for freeze in ("[lm_head]", "[]"):
+        out = tmp_path / f"freeze{len(freeze)}"
+        recipe = load_recipe(TINY / "eagle3.yaml", [f"output.dir={out}", f"optim.freeze={freeze}", "data.limit=24",
+                                                    "optim.max_steps=3", "output.save_every=0", "wandb.mode=disabled"])
+        heads[freeze] = load_head(run(recipe, resume=False), target)
+    for freeze, head in heads.items():
+        rows = head.verifier_lm_head.weight[head.token_map]    # where set_draft_vocab starts it
+        assert torch.equal(head.lm_head.weight, rows) == (freeze == "[lm_head]")
+    # the rest still trains: fc started as [0 | I] (init_layer: -1) and moved
+    fc, H = heads["[lm_head]"].fc.weight, heads["[lm_head]"].config.hidden_size
+    assert not torch.equal(fc[:, -H:], torch.eye(H)) and fc[:, :-H].abs().sum() > 0
+
+    bad = load_recipe(TINY / "eagle3.yaml", [f"output.dir={tmp_path / 'bad'}", "optim.freeze=[layers.0.mlpp]",
+                                             "wandb.mode=disabled"])
+    with pytest.raises(ValueError, match=r"optim\.freeze: 'layers\.0\.mlpp' names no trainable"):
+        run(bad, resume=False)
+    assert not (tmp_path / "bad" / "features").exists()  # failed before capturing anything
+
+
 def test_explicit_resume_without_checkpoint_fails(tmp_path):
     from specdec.train.cli import main
 
