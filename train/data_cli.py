@@ -144,6 +144,60 @@ def capture_run(args) -> int:
     return 0
 
 
+def evaluate_args(p: argparse.ArgumentParser) -> None:
+    add_target_args(p, default_dtype="float32")
+    p.add_argument("heads", nargs="+", metavar="HEAD_DIR", help="trained heads (<output.dir>/final)")
+    p.add_argument("--features", required=True,
+                   help="a `specdec-data capture` directory holding what the heads read")
+    p.add_argument("--depth", type=int, default=5, help="draft depths scored (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default: %(default)s)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write every head's result here")
+
+
+def missing_features(captured: dict, spec) -> list[str]:
+    """What a head's FeatureSpec asks for that a capture's `features` entry lacks."""
+    missing = ["hidden"] if spec.hidden and not captured["hidden"] else []
+    if spec.aux_layers and list(spec.aux_layers) != captured["aux_layers"]:
+        missing.append(f"aux_layers {list(spec.aux_layers)} (captured: {captured['aux_layers']})")
+    if spec.topk_logits > captured["topk_logits"]:
+        missing.append(f"topk_logits {spec.topk_logits} (captured: {captured['topk_logits']})")
+    return missing
+
+
+def evaluate_run(args) -> int:
+    import json
+
+    import torch
+
+    from specdec.heads import load_head
+    from specdec.train.batches import pad_batch
+    from specdec.train.capture import CaptureError, FeatureStore
+    from specdec.train.evaluate import evaluate, format_table
+
+    if args.depth < 1 or args.batch_size < 1:
+        raise CaptureError("--depth and --batch-size must be >= 1")
+    target = _load_target(args)
+    store = FeatureStore(args.features, target=target)
+    dtype = getattr(torch, args.dtype)
+    results = {}
+    for head_dir in args.heads:
+        head = load_head(head_dir, target=target).to(dtype)
+        missing = missing_features(store.features, head.feature_spec())
+        if missing:
+            raise CaptureError(f"{args.features} lacks what {head_dir} reads: {', '.join(missing)}; "
+                               f"capture with --head-type {type(head).head_type()}")
+        starts = range(0, len(store), args.batch_size)
+        batches = (pad_batch([store[i] for i in range(j, min(j + args.batch_size, len(store)))], dtype)
+                   for j in starts)
+        result = evaluate(head, batches, args.depth)
+        results[head_dir] = result.to_dict()
+        print(f"== {head_dir} ({type(head).head_type()}) on {args.features}\n{format_table(result)}\n")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "regenerate": Subcommand(
         help="self-distillation: the target writes its own reply to every prompt",
@@ -163,6 +217,18 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                     "  specdec-data capture --target smollm2-135m --data runs/data/gsm8k.regen.jsonl "
                     "--head-type eagle3 --out runs/features/gsm8k-eagle3",
         add_arguments=capture_args, run=capture_run),
+    "evaluate": Subcommand(
+        help="score trained heads on captured features: acceptance per depth, tau, calibration",
+        description="Teacher-forced greedy chains over every captured sequence, as the trainer's "
+                    "held-out eval: P(accepted length >= k), conditional acceptance, chain tau and "
+                    "calibration per head. No timing involved, so heads compare exactly, on any "
+                    "text you capture (say the target's own replies to your traffic or to "
+                    "Spec-Bench).\n\nexample:\n"
+                    "  specdec-data regenerate --data questions.jsonl --out runs/eval/replies.jsonl\n"
+                    "  specdec-data capture --data runs/eval/replies.jsonl --head-type eagle3 "
+                    "--split all --out runs/eval/features\n"
+                    "  specdec-data evaluate runs/a/final runs/b/final --features runs/eval/features",
+        add_arguments=evaluate_args, run=evaluate_run),
     "datastore": Subcommand(
         help="build the REST datastore (suffix array over a tokenised corpus) for `rest=DIR`",
         description="Tokenise conversations with the target's tokenizer and chat template and "
@@ -192,13 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from specdec.heads.base import HeadShapeError
     from specdec.infer.target import TargetError
     from specdec.train.capture import CaptureError
     from specdec.train.data import DataError
 
     try:
         return args._run(args) or 0
-    except (DataError, CaptureError, TargetError) as err:
+    except (DataError, CaptureError, TargetError, HeadShapeError, FileNotFoundError) as err:
         print(f"specdec-data {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -241,3 +241,35 @@ def test_smollm2_hidden_is_post_norm(smollm2):
     torch.testing.assert_close(smollm2.model.get_output_embeddings()(feats["hidden"]), logits)
     assert feats["aux"].shape == (1, ids.shape[1], 3 * 576)
     assert torch.equal(feats["topk_indices"][..., 0], logits.argmax(-1))
+
+
+def test_cli_evaluate_scores_heads_on_a_capture(tmp_path, monkeypatch, tiny_target_dir, tiny_target):
+    """`specdec-data evaluate`: every captured sequence scored, as the trainer's eval scores them;
+    a capture without the features a head reads is refused, naming them."""
+    from specdec.heads import get_head_class
+    from specdec.train.batches import pad_batch
+    from specdec.train.data_cli import main
+    from specdec.train.evaluate import evaluate
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": "ab " * (3 + i)}]}) + "\n"
+        for i in range(6)))
+    common = ["--target", str(tiny_target_dir), "--dtype", "float32", "--data", str(data), "--split", "all"]
+    assert main(["capture", *common, "--head-type", "eagle3", "--out", str(tmp_path / "e3")]) == 0
+    assert main(["capture", *common, "--head-type", "medusa", "--out", str(tmp_path / "medusa")]) == 0
+    torch.manual_seed(0)
+    head = get_head_class("eagle3").from_target(tiny_target)
+    head.save_pretrained(tmp_path / "head")
+
+    report = tmp_path / "r.json"
+    argv = ["evaluate", str(tmp_path / "head"), "--target", str(tiny_target_dir), "--depth", "3"]
+    assert main([*argv, "--features", str(tmp_path / "e3"), "--json", str(report)]) == 0
+    got = json.loads(report.read_text())[str(tmp_path / "head")]
+    store = FeatureStore(tmp_path / "e3")
+    expected = evaluate(head, [pad_batch([store[i]]) for i in range(len(store))], 3)
+    assert got["num_sequences"] == len(store) == 6
+    assert got["count"] == expected.count and got["correct"] == expected.correct and got["count"][0] > 0
+    assert got["tau"] == pytest.approx(expected.tau)
+    assert main([*argv, "--features", str(tmp_path / "medusa")]) == 2   # no aux layers captured
