@@ -64,7 +64,7 @@ class RegenerateConfig:
 class DataConfig:
     files: list[str] = field(default_factory=lambda: ["bundled:gsm8k"])  # paths or bundled:<name>
     pack: bool = False  # concatenate short sequences into rows of max_length
-    format: str = "auto"  # auto | sharegpt | openai | alpaca
+    format: str = "auto"  # auto | sharegpt | openai | alpaca | gsm8k | spec_bench
     max_length: int = 1024  # tokens per sequence (longer conversations are truncated)
     eval_fraction: float = 0.05  # held-out share of the sequences for eval
     limit: int | None = None  # original conversations: the first N of each file (None: all)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-FORMATS = ("auto", "openai", "sharegpt", "alpaca", "gsm8k")
+FORMATS = ("auto", "openai", "sharegpt", "alpaca", "gsm8k", "spec_bench")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "system": "system"}
@@ -195,8 +195,18 @@ def _gsm8k(record: dict) -> list[dict]:
     return msgs
 
 
+def _spec_bench(record: dict) -> list[dict]:
+    # Spec-Bench / MT-bench questions: {"turns": [str, ...]}, user turns only. Later turns ask
+    # about the answer to the first, so a standalone prompt is the first turn.
+    turns = record["turns"]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("'turns' must be a non-empty list of strings")
+    return [{"role": "user", "content": _text(turns[0], "turns[0]")}]
+
+
 PARSERS = {"openai": ("messages", _openai), "sharegpt": ("conversations", _sharegpt),
-           "alpaca": ("instruction", _alpaca), "gsm8k": ("question", _gsm8k)}
+           "alpaca": ("instruction", _alpaca), "gsm8k": ("question", _gsm8k),
+           "spec_bench": ("turns", _spec_bench)}
 
 
 def to_messages(record, fmt: str = "auto") -> list[dict]:
@@ -208,7 +218,7 @@ def to_messages(record, fmt: str = "auto") -> list[dict]:
         if fmt is None:
             raise ValueError(f"unrecognised record with keys {sorted(record)[:6]}: expected "
                              "'messages' (OpenAI), 'conversations' (ShareGPT), 'instruction' "
-                             "(Alpaca) or 'question' (GSM8K)")
+                             "(Alpaca), 'question' (GSM8K) or 'turns' (Spec-Bench)")
     key, parse = PARSERS[fmt]
     if key not in record:
         raise ValueError(f"not a {fmt} record: no {key!r} key")

@@ -32,10 +32,10 @@ def add_target_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                   help="JSON/JSONL files: ShareGPT, OpenAI messages, Alpaca or GSM8K records "
+                   help="JSON/JSONL files: ShareGPT, OpenAI messages, Alpaca, GSM8K or Spec-Bench records "
                         "(format detected per record), or a bundled set: gsm8k, guanaco, sharegpt_dummy")
     p.add_argument("--format", default="auto", dest="fmt",
-                   choices=["auto", "openai", "sharegpt", "alpaca", "gsm8k"],
+                   choices=["auto", "openai", "sharegpt", "alpaca", "gsm8k", "spec_bench"],
                    help="force one record format instead of detecting it (default: %(default)s)")
     p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
                    help="malformed record: skip it and print a count, or stop with file:line "
@@ -145,7 +145,13 @@ def capture_run(args) -> int:
 
 
 def evaluate_args(p: argparse.ArgumentParser) -> None:
-    add_target_args(p, default_dtype="float32")
+    p.add_argument("--target", default=None,
+                   help="where to load the captured target from, if not by the name its capture "
+                        "recorded (an HF folder or .gguf of the same weights); loaded in the "
+                        "capture's dtype")
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"],
+                   help="dtype the heads compute in (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: %(default)s)")
     p.add_argument("heads", nargs="+", metavar="HEAD_DIR", help="trained heads (<output.dir>/final)")
     p.add_argument("--features", required=True,
                    help="a `specdec-data capture` directory holding what the heads read")
@@ -166,19 +172,25 @@ def missing_features(captured: dict, spec) -> list[str]:
 
 def evaluate_run(args) -> int:
     import json
+    from pathlib import Path
 
     import torch
 
     from specdec.heads import load_head
     from specdec.train.batches import pad_batch
-    from specdec.train.capture import CaptureError, FeatureStore
+    from specdec.train.capture import CaptureError, FeatureStore, read_manifest
     from specdec.train.evaluate import evaluate, format_table
 
     if args.depth < 1 or args.batch_size < 1:
         raise CaptureError("--depth and --batch-size must be >= 1")
+    captured = read_manifest(Path(args.features))
+    # the target whose features these are (its embeddings and LM head complete each head);
+    # --dtype is what the heads compute in
+    dtype, args.dtype = args.dtype, captured["dtype"]
+    args.target = args.target or captured["target"]["name"]
     target = _load_target(args)
     store = FeatureStore(args.features, target=target)
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, dtype)
     results = {}
     for head_dir in args.heads:
         head = load_head(head_dir, target=target).to(dtype)

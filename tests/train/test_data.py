@@ -7,7 +7,8 @@ import pytest
 
 from specdec.infer.tiny import tiny_tokenizer
 from specdec.train.data import (BUNDLED, DataError, bundled_prompts, encode_conversation,
-                                load_conversations, prepare_dataset, tokenize_conversations)
+                                iter_conversations, load_conversations, prepare_dataset,
+                                tokenize_conversations)
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2+2?"},
@@ -55,7 +56,8 @@ def test_each_format_and_per_record_detection(tmp_path):
         {"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]},
         {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]},
         {"instruction": "i", "output": "o"},
-        {"question": "q", "answer": "x <<1+1=2>>2"}])
+        {"question": "q", "answer": "x <<1+1=2>>2"},
+        {"question_id": 81, "category": "writing", "turns": ["t1", "about your answer: t2"]}])
 
     assert load_conversations(sharegpt)["messages"] == [[
         {"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
@@ -67,10 +69,12 @@ def test_each_format_and_per_record_detection(tmp_path):
         [{"role": "user", "content": "Do Z"}, {"role": "assistant", "content": "Ok"}]]
     assert load_conversations([gsm8k])["messages"][0][1]["content"] == "2+3 = 5 apples.\n#### 5"
     mixed_ds = load_conversations([mixed])
-    assert [m[0]["content"] for m in mixed_ds["messages"]] == ["h", "u", "i", "q"]
+    assert [m[0]["content"] for m in mixed_ds["messages"]] == ["h", "u", "i", "q", "t1"]
     assert mixed_ds["messages"][3][1]["content"] == "x 2"
+    assert mixed_ds["messages"][4] == [{"role": "user", "content": "t1"}]  # Spec-Bench: the first turn
+    assert [c.id for c in iter_conversations([mixed])][4] == "mixed.jsonl/81"
     # Several files at once, in order.
-    assert len(load_conversations([sharegpt, openai, alpaca, gsm8k, mixed])) == 1 + 1 + 2 + 1 + 4
+    assert len(load_conversations([sharegpt, openai, alpaca, gsm8k, mixed])) == 1 + 1 + 2 + 1 + 5
 
 
 def test_forced_format_rejects_other_records(tmp_path):
