@@ -190,17 +190,17 @@ def evaluate_run(args) -> int:
     args.target = args.target or captured["target"]["name"]
     target = _load_target(args)
     store = FeatureStore(args.features, target=target)
-    dtype = getattr(torch, dtype)
+    dtype, device = getattr(torch, dtype), next(target.model.parameters()).device
     results = {}
     for head_dir in args.heads:
-        head = load_head(head_dir, target=target).to(dtype)
+        head = load_head(head_dir, target=target).to(device, dtype)
         missing = missing_features(store.features, head.feature_spec())
         if missing:
             raise CaptureError(f"{args.features} lacks what {head_dir} reads: {', '.join(missing)}; "
                                f"capture with --head-type {type(head).head_type()}")
         starts = range(0, len(store), args.batch_size)
-        batches = (pad_batch([store[i] for i in range(j, min(j + args.batch_size, len(store)))], dtype)
-                   for j in starts)
+        batches = (pad_batch([store[i] for i in range(j, min(j + args.batch_size, len(store)))], dtype,
+                             device) for j in starts)
         result = evaluate(head, batches, args.depth)
         results[head_dir] = result.to_dict()
         print(f"== {head_dir} ({type(head).head_type()}) on {args.features}\n{format_table(result)}\n")
