@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from .data import FORMATS  # a tuple in a light module: --help stays instant
+
 
 @dataclass(frozen=True)
 class Subcommand:
@@ -35,7 +37,7 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
                    help="JSON/JSONL files: ShareGPT, OpenAI messages, Alpaca, GSM8K or Spec-Bench records "
                         "(format detected per record), or a bundled set: gsm8k, guanaco, sharegpt_dummy")
     p.add_argument("--format", default="auto", dest="fmt",
-                   choices=["auto", "openai", "sharegpt", "alpaca", "gsm8k", "spec_bench"],
+                   choices=FORMATS,
                    help="force one record format instead of detecting it (default: %(default)s)")
     p.add_argument("--on-error", default="skip", choices=["skip", "fail"],
                    help="malformed record: skip it and print a count, or stop with file:line "
@@ -177,7 +179,7 @@ def evaluate_run(args) -> int:
     import torch
 
     from specdec.heads import load_head
-    from specdec.train.batches import pad_batch
+    from specdec.train.batches import StoreSource, eval_batches
     from specdec.train.capture import CaptureError, FeatureStore, read_manifest
     from specdec.train.evaluate import evaluate, format_table
 
@@ -198,9 +200,8 @@ def evaluate_run(args) -> int:
         if missing:
             raise CaptureError(f"{args.features} lacks what {head_dir} reads: {', '.join(missing)}; "
                                f"capture with --head-type {type(head).head_type()}")
-        starts = range(0, len(store), args.batch_size)
-        batches = (pad_batch([store[i] for i in range(j, min(j + args.batch_size, len(store)))], dtype,
-                             device) for j in starts)
+        source = StoreSource(store, range(len(store)))
+        batches = (source.batch(p, dtype, device) for p in eval_batches(len(store), args.batch_size, 1, 0))
         result = evaluate(head, batches, args.depth)
         results[head_dir] = result.to_dict()
         print(f"== {head_dir} ({type(head).head_type()}) on {args.features}\n{format_table(result)}\n")

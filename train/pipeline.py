@@ -24,9 +24,9 @@ import torch
 
 from .batches import OnlineSource, StoreSource
 from .config import Recipe, resolve_head_class, split_loss
-from .yamlnodes import RecipeError
 from .runlog import RunLogger
 from .trainer import DistInfo, Trainer, barrier, setup_distributed
+from .yamlnodes import RecipeError
 
 
 def run(recipe: Recipe, resume: bool | None = None) -> Path:

@@ -231,8 +231,10 @@ class GoodputPolicy(Policy):
         levels = [plan[r] for r in rids]
         uniform = [_best_uniform_level(ctl, exp)] * len(rids)
         padded = lambda lv: ctl.predicted_goodput(rids, lv, exp, padded=True)  # noqa: E731
-        best = levels if any(levels) and padded(levels) >= padded(uniform) else uniform
-        return dict(zip(rids, best)), padded(best) > padded([0] * len(rids))
+        best, worth = uniform, padded(uniform)
+        if any(levels) and (mine := padded(levels)) >= worth:
+            best, worth = levels, mine
+        return dict(zip(rids, best)), worth > padded([0] * len(rids))
 
     def _arms(self, bucket: int) -> tuple:
         """A speculating arm is left out of a bucket once a smaller batch measured it slower than
