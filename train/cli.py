@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from specdec.train.pipeline import run
 
-    final = run(recipe, resume=args.resume)
+    try:
+        final = run(recipe, resume=args.resume)
+    except RecipeError as err:  # what only the built head can check (optim.freeze), before any work
+        print(f"specdec-train: {err}", file=sys.stderr)
+        return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"specdec-train: done, head in {final}")
     return 0

@@ -141,6 +141,9 @@ def test_frozen_parameters_keep_their_starting_values(tmp_path, tiny_target):
     with pytest.raises(ValueError, match=r"optim\.freeze: 'layers\.0\.mlpp' names no trainable"):
         run(bad, resume=False)
     assert not (tmp_path / "bad" / "features").exists()  # failed before capturing anything
+    from specdec.train.cli import main
+    assert main([str(TINY / "eagle3.yaml"), f"output.dir={tmp_path / 'bad'}", "optim.freeze=[layers.0.mlpp]",
+                 "wandb.mode=disabled"]) == 2                     # the command says so, no traceback
 
 
 def test_explicit_resume_without_checkpoint_fails(tmp_path):
