@@ -28,6 +28,10 @@ def add_target_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
                         "file or hub id (default: %(default)s)")
     p.add_argument("--dtype", default=default_dtype, choices=["bfloat16", "float32", "float16"],
                    help="dtype to run the target in (default: %(default)s)")
+    add_device_arg(p)
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="cpu, cuda, cuda:1, ... ('auto' = cuda if available; default: %(default)s)")
 
@@ -51,7 +55,8 @@ def _data_paths(names: list[str]) -> list[str]:
     return [str(bundled_prompts(n)) if n in BUNDLED else n for n in names]
 
 
-def _load_target(args):
+def _load_target(args, name: str | None = None, dtype: str | None = None):
+    """The target --target / --dtype / --device name (or ``name`` / ``dtype`` in their place)."""
     import torch
 
     from specdec.infer.target import load_target
@@ -59,7 +64,7 @@ def _load_target(args):
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load_target(args.target, dtype=args.dtype, device=device)
+    return load_target(name or args.target, dtype=dtype or args.dtype, device=device)
 
 
 # ----------------------------------------------------------------------------- regenerate
@@ -153,7 +158,7 @@ def evaluate_args(p: argparse.ArgumentParser) -> None:
                         "capture's dtype")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"],
                    help="dtype the heads compute in (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: %(default)s)")
+    add_device_arg(p)
     p.add_argument("heads", nargs="+", metavar="HEAD_DIR", help="trained heads (<output.dir>/final)")
     p.add_argument("--features", required=True,
                    help="a `specdec-data capture` directory holding what the heads read")
@@ -186,13 +191,12 @@ def evaluate_run(args) -> int:
     if args.depth < 1 or args.batch_size < 1:
         raise CaptureError("--depth and --batch-size must be >= 1")
     captured = read_manifest(Path(args.features))
-    # the target whose features these are (its embeddings and LM head complete each head);
-    # --dtype is what the heads compute in
-    dtype, args.dtype = args.dtype, captured["dtype"]
-    args.target = args.target or captured["target"]["name"]
-    target = _load_target(args)
+    # the target whose features these are, in the capture's dtype (its embeddings and LM head
+    # complete each head); --dtype is what the heads compute in
+    target = _load_target(args, name=args.target or captured["target"]["name"], dtype=captured["dtype"])
     store = FeatureStore(args.features, target=target)
-    dtype, device = getattr(torch, dtype), next(target.model.parameters()).device
+    source = StoreSource(store, range(len(store)))
+    dtype, device = getattr(torch, args.dtype), next(target.model.parameters()).device
     results = {}
     for head_dir in args.heads:
         head = load_head(head_dir, target=target).to(device, dtype)
@@ -200,7 +204,6 @@ def evaluate_run(args) -> int:
         if missing:
             raise CaptureError(f"{args.features} lacks what {head_dir} reads: {', '.join(missing)}; "
                                f"capture with --head-type {type(head).head_type()}")
-        source = StoreSource(store, range(len(store)))
         batches = (source.batch(p, dtype, device) for p in eval_batches(len(store), args.batch_size, 1, 0))
         result = evaluate(head, batches, args.depth)
         results[head_dir] = result.to_dict()
