@@ -130,6 +130,7 @@ class StepAccess:
             idx = torch.arange(1, n_new + 1, device=valid.device)
             row_new = (valid * idx).amax(dim=1).tolist()
         self.row_ends = [b + n for b, n in zip(base_lens, row_new)]  # keys each row needs
+        self.ends = torch.tensor(self.row_ends, dtype=torch.long)  # the same, for the CPU attention kernel
         longest = max(self.row_ends)
         if longest > cache.max_len:
             raise CacheFullError(f"a sequence would reach {longest} tokens; the cache holds max_len={cache.max_len}")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import tree_attention_mask
+from . import attention_cpu, tree_attention_mask
 from .linear import DecodeLinear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -149,6 +149,8 @@ class LeanCausalLM:
         self.rope_scale = float(getattr(rope, "attention_scaling", 1.0))
         self.cos = self.sin = torch.empty(0, device=device)
         self.kv_shapes = [(layer.n_kv, layer.head_dim) for layer in self.layers]
+        if self.device.type == "cpu" and dtype == torch.bfloat16:
+            attention_cpu.kernel()  # compile (once per machine) while loading, not in the first step
         self.num_layers = len(self.layers)
 
     def _rope_table(self, length: int) -> None:
@@ -177,7 +179,8 @@ class LeanCausalLM:
             x = x * self.embed_scale
         self._rope_table(max(access.base_list) + n)  # bounds every position, no device sync
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, N, 1, hd]
-        masks: dict[tuple, list | None] = {}  # (window, group) -> per read group, built once per forward
+        # (window, group) -> None (causal), the CPU kernel's mask, or one per read group; built once
+        masks: dict[tuple, Tensor | list | None] = {}
         keep = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
@@ -192,8 +195,11 @@ class LeanCausalLM:
                 # (~9% of a 13-node verification's attention at a 673-token context).
                 additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
                 additive = additive.repeat(1, 1, layer.group, 1)                     # [B, 1, g*N, L]
-                masks[key] = [additive if g.rows is None else additive[g.rows, :, :, :g.length]
-                              for g in access.read_groups()]
+                if attention_cpu.takes(x.dtype, x.device, layer.head_dim, layer.group * n):
+                    masks[key] = additive  # one kernel call a layer, each row reading its own keys
+                else:
+                    masks[key] = [additive if g.rows is None else additive[g.rows, :, :, :g.length]
+                                  for g in access.read_groups()]
             x = self._layer(i, layer, x, cos, sin, access, masks[key])
         x = self.norm(x)                                                     # [B, N, H] post-norm
         keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output
@@ -202,7 +208,8 @@ class LeanCausalLM:
         aux = torch.cat([keep[i] for i in aux_layers], dim=-1) if aux_layers else None
         return logits, x, aux
 
-    def _layer(self, i: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, access, masks: list | None) -> Tensor:
+    def _layer(self, i: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, access,
+               masks: Tensor | list | None) -> Tensor:
         bsz, n, _ = x.shape
         q, k, v = layer.qkv(layer.ln1(x)).split(layer.splits, dim=-1)
         q = q.view(bsz, n, layer.n_heads, layer.head_dim)
@@ -222,7 +229,11 @@ class LeanCausalLM:
                                                  enable_gqa=layer.group > 1)
         else:
             q = q.transpose(1, 2).reshape(bsz, layer.n_kv, layer.group * n, layer.head_dim)
-            out = self._grouped_attention(i, layer, q, access, masks)
+            if isinstance(masks, Tensor):  # the CPU decode kernel (forward chose it)
+                out = attention_cpu.attend(q, access.cache.k[i], access.cache.v[i], masks, layer.scaling,
+                                           access.slots, access.ends)
+            else:
+                out = self._grouped_attention(i, layer, q, access, masks)
         out = out.view(bsz, layer.n_heads, n, layer.head_dim).transpose(1, 2).reshape(bsz, n, -1)
         x = x + layer.o(out)
         gate, up = layer.gate_up(layer.ln2(x)).chunk(2, dim=-1)

@@ -1,0 +1,143 @@
+"""The CPU decode-attention kernel (infer/models/attention_cpu.cpp) computes what SDPA computes:
+random queries, caches, slots, lengths and tree masks against the per-row SDPA reference and an
+fp32 ground truth; and the lean decoder's bf16 verification gives the same logits with it as
+with SDPA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.infer.models import attention_cpu
+
+needs_kernel = pytest.mark.skipif(attention_cpu.unavailable_reason() is not None,
+                                  reason=f"no CPU attention kernel here: {attention_cpu.unavailable_reason()}")
+
+
+def random_case(gen, batch, heads, rows, head_dim, slots_total, max_len, masked=True):
+    """q [B, H, R, D]; a static cache [S, H, max_len, D]; distinct slots; per-row lengths; an
+    additive mask [B, 1, R, width] that hides random keys but never a row's first one."""
+    q = torch.randn(batch, heads, rows, head_dim, generator=gen).bfloat16()
+    k = torch.randn(slots_total, heads, max_len, head_dim, generator=gen).bfloat16()
+    v = torch.randn(slots_total, heads, max_len, head_dim, generator=gen).bfloat16()
+    slots = torch.randperm(slots_total, generator=gen)[:batch]
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=gen)
+    width = int(lengths.max())
+    mask = None
+    if masked:
+        hide = torch.rand(batch, 1, rows, width, generator=gen) < 0.3
+        hide[..., 0] = False
+        mask = torch.zeros(batch, 1, rows, width).masked_fill_(hide, float("-inf")).bfloat16()
+    return q, k, v, mask, slots, lengths
+
+
+def fp32_truth(q, k, v, mask, scale, slots, lengths):
+    out = torch.empty(q.shape)
+    for b in range(q.shape[0]):
+        n, s = int(lengths[b]), int(slots[b])
+        m = None if mask is None else mask[b:b + 1, :, :, :n].float()
+        out[b] = F.scaled_dot_product_attention(q[b:b + 1].float(), k[s:s + 1, :, :n].float(),
+                                                v[s:s + 1, :, :n].float(), attn_mask=m, scale=scale)[0]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch,rows,max_len", [(1, 1, 1), (1, 3, 700), (5, 3, 37), (4, 8, 130),
+                                                (2, 12, 300), (1, 39, 257)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_kernel_matches_sdpa(head_dim, batch, rows, max_len, masked):
+    gen = torch.Generator().manual_seed(batch * 1000 + rows * 10 + max_len)
+    q, k, v, mask, slots, lengths = random_case(gen, batch, 3, rows, head_dim, batch + 2, max_len, masked)
+    scale = head_dim ** -0.5
+    got = attention_cpu.attend(q, k, v, mask, scale, slots, lengths)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    truth = fp32_truth(q, k, v, mask, scale, slots, lengths)
+    want = attention_cpu.reference(q, k, v, mask, scale, slots, lengths)
+    # bf16 outputs: each within a rounding step of the fp32 truth, as SDPA's own bf16 result is
+    torch.testing.assert_close(got.float(), truth, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_defaults_read_every_row_in_order_and_a_strided_view():
+    """No slots/lengths: row b is cache row b with all its keys; a view of a longer cache (rows
+    strided by max_len) reads only the viewed keys; a mask broadcast over batch and heads works."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 3, 3, 64, generator=gen).bfloat16()
+    cache_k = torch.randn(4, 3, 512, 64, generator=gen).bfloat16()
+    cache_v = torch.randn(4, 3, 512, 64, generator=gen).bfloat16()
+    k, v = cache_k[:3, :, :100], cache_v[:3, :, :100]
+    mask = torch.zeros(1, 1, 3, 100).bfloat16()
+    mask[..., 50:] = float("-inf")
+    got = attention_cpu.attend(q, k, v, mask, 0.125)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(), scale=0.125)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_bad_inputs_name_the_problem():
+    q = torch.randn(1, 3, 3, 64).bfloat16()
+    k = torch.randn(2, 3, 10, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bf16"):
+        attention_cpu.attend(q.float(), k.float(), k.float(), None, 0.1)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        attention_cpu.attend(q[..., :32], k[..., :32], k[..., :32], None, 0.1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        attention_cpu.attend(q, k, k, None, 0.1, torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="reads 11 keys of 10"):
+        attention_cpu.attend(q, k, k, None, 0.1, None, torch.tensor([11]))
+    with pytest.raises(RuntimeError, match="mask"):
+        attention_cpu.attend(q, k, k, torch.zeros(1, 1, 3, 4).bfloat16(), 0.1)
+
+
+def test_takes_bf16_decode_steps_on_cpu_with_its_head_dims():
+    cpu = torch.device("cpu")
+    assert not attention_cpu.takes(torch.float32, cpu, 64, 3)  # fp32 stays SDPA (the exact tests)
+    assert not attention_cpu.takes(torch.bfloat16, cpu, 32, 3)
+    assert not attention_cpu.takes(torch.bfloat16, cpu, 64, 3 * 512)  # a prefill chunk: SDPA
+    available = attention_cpu.unavailable_reason() is None
+    assert attention_cpu.takes(torch.bfloat16, cpu, 64, 3) == available
+    assert attention_cpu.takes(torch.bfloat16, cpu, 128, 39) == available
+
+
+def verify_ragged(target):
+    """Logits of a ragged batch of plain rows in scattered slots, then of two 13-node trees."""
+    from specdec.heads.tree import DraftTree
+    from specdec.infer.runner import TargetRunner
+
+    runner = TargetRunner(target, max_batch=4, max_len=128, impl="lean")
+    gen = torch.Generator().manual_seed(0)
+    lengths, slots = [60, 5, 33], [3, 0, 2]
+    for slot, n in zip(slots, lengths):
+        runner.prefill(slot, torch.randint(256, (n,), generator=gen))
+    roots = DraftTree(tokens=torch.randint(256, (3, 1), generator=gen), parents=torch.full((3, 1), -1),
+                      valid=torch.ones(3, 1, dtype=torch.bool))
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 8, 9]] * 2)
+    trees = DraftTree(tokens=torch.randint(256, (2, 13), generator=gen), parents=parents,
+                      valid=torch.ones(2, 13, dtype=torch.bool))
+    return [runner.verify(slots, roots, lengths)[0].float(), runner.verify([3, 0], trees, [60, 5])[0].float()]
+
+
+@needs_kernel
+def test_lean_verification_with_the_kernel_is_as_close_to_fp32_as_sdpa(tmp_path, monkeypatch):
+    """bf16, head_dim 64: plain rows and trees in a ragged batch score as close to the fp32 model
+    with the kernel as with SDPA (bf16 drifts either way), and the kernel did run."""
+    from specdec.infer.target import load_target
+    from specdec.infer.tiny import build_tiny_target
+
+    folder = build_tiny_target(tmp_path / "t", seed=1, hidden_size=256, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2)
+    exact = verify_ragged(load_target(str(folder), dtype="float32"))
+    bf16 = load_target(str(folder), dtype="bfloat16")
+    calls = []
+    real = attention_cpu.attend
+    monkeypatch.setattr(attention_cpu, "attend", lambda *a: calls.append(a[0].shape) or real(*a))
+    with_kernel = verify_ragged(bf16)
+    assert {s[2] for s in calls} == {2, 26}  # plain rows (g=2 x 1 token) and the trees (2 x 13)
+    monkeypatch.setattr(attention_cpu, "takes", lambda *a: False)
+    with_sdpa = verify_ragged(bf16)
+    for want, kern, sdpa in zip(exact, with_kernel, with_sdpa):
+        kern_err, sdpa_err = (kern - want).abs().max(), (sdpa - want).abs().max()
+        assert kern_err <= 1.5 * sdpa_err + 0.05, (kern_err, sdpa_err)
+        assert (kern.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
