@@ -174,6 +174,16 @@ class ThroughputGate:
                 self.pairs[k] = [n, s - n * m, q - 2 * m * s + n * m * m]  # Σ(x - m), Σ(x - m)²
         self.pairs[(regime, old)] = [n1, -s1, q1]
 
+    def forget(self, regime) -> None:
+        """Drop everything measured in a regime (one that will not come back)."""
+        for table in (self.pairs, self.tokens, self.seconds, self.samples):
+            for key in [k for k in table if k[0] == regime]:
+                del table[key]
+        for table in (self.leader, self.decisions, self._recent):
+            table.pop(regime, None)
+        if self._trial is not None and self._trial.regime == regime:
+            self._trial = None
+
     # -- what a step measured ----------------------------------------------------------------
     def record(self, regime, arm, tokens: float, seconds: float) -> None:
         """The step's sample: tokens it added in ``seconds`` (not sampled after a switch)."""

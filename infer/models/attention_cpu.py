@@ -72,7 +72,8 @@ def kernel():
         try:
             _op = _build()
         except Exception as err:  # no compiler, no headers ...: SDPA still computes the same thing
-            _failed = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+            last_line = (str(err).strip().splitlines() or [""])[-1]  # a build error ends with its cause
+            _failed = f"{type(err).__name__}: {last_line}"
             warnings.warn(f"specdec: the CPU decode-attention kernel is unavailable ({_failed}); using SDPA",
                           RuntimeWarning, stacklevel=2)
         return _op

@@ -193,8 +193,15 @@ class GoodputPolicy(Policy):
             return {}
         bucket = ThompsonPolicy.bucket(len(rids))
         allowed = self._arms(bucket) if self.gate is not None else None
+        # A request decoding alone is its own regime: at batch 1 whether speculation pays is a
+        # property of the request (a copy-heavy one accepts 3-5 tokens a step, an open-ended
+        # one 0-1), and one gate for all of them followed whichever came first: a hard first
+        # request handed plain decoding the lead for ~950 steps. Offline twin of the server (16
+        # Spec-Bench requests one at a time, hybrid, bf16): 0.92x the tokens/s of always-on with
+        # one gate, 1.01x with a gate per request.
+        regime = ("alone", rids[0]) if len(rids) == 1 else bucket
         if allowed == ("plain",):  # big batches where speculation lost: no models to consult
-            self._played = (bucket, self.gate.choose(bucket, allowed=allowed))
+            self._played = (regime, self.gate.choose(regime, allowed=allowed))
             return dict.fromkeys(rids, 0)
         if len(ctl.nodes) < 2 or self.gate is None:  # plain is the only level, or no gate
             plan = self._model_plan(ctl, rids, ctl.expected_tokens(rids))
@@ -203,7 +210,13 @@ class GoodputPolicy(Policy):
         # and the model arm's steps. Planning costs ~0.2 ms of Python at batch 4 and ~0.5 at
         # batch 16 (1-2% of a step there), which a plain leader would pay every step for nothing.
         plan = default = None
-        if bucket not in self.gate.leader:
+        if regime not in self.gate.leader and self._leader_below(bucket) == "plain":
+            # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
+            # where the next smaller one decodes plainly (starting from the models' guess, a
+            # first batch of 32 played the full tree for ~30 steps of ~3x plain's cost; goodput
+            # 0.83x of plain decoding at concurrency 32).
+            default = "plain"
+        elif regime not in self.gate.leader:
             # A bucket's first leader, where the models would speculate, is the full tree: at
             # batch 1 their plan picked 3-4 nodes of 12 and the pairs (tokens per step swinging
             # from 1 to 13 with the copies) seldom overturned it. Offline twin of the server, 24
@@ -212,13 +225,17 @@ class GoodputPolicy(Policy):
             # pairs still demote it (0.95-1.09x of plain, as before).
             plan, speculates = self._speculating_plan(ctl, rids)
             default = "full" if speculates else "plain"
-        arm = self.gate.choose(bucket, default=default, allowed=allowed)
-        self._played = (bucket, arm)
+        arm = self.gate.choose(regime, default=default, allowed=allowed)
+        self._played = (regime, arm)
         if arm == "full":
             return dict.fromkeys(rids, len(ctl.nodes) - 1)
         if arm == "plain":
             return dict.fromkeys(rids, 0)
         return plan if plan is not None else self._speculating_plan(ctl, rids)[0]
+
+    def _leader_below(self, bucket: int):
+        """The arm leading at the nearest smaller batch-size bucket that has one (None: none)."""
+        return next((self.gate.leader[b] for b in range(bucket - 1, -1, -1) if b in self.gate.leader), None)
 
     def _speculating_plan(self, ctl, rids) -> tuple[dict, bool]:
         """The plan the model arm plays and whether the models expect it to beat plain decoding.
@@ -414,6 +431,8 @@ class SpeculationController:
         self.last_plan.pop(rid, None)
         if isinstance(self.policy, GoodputPolicy):
             self.policy.current.pop(rid, None)
+            if self.policy.gate is not None:
+                self.policy.gate.forget(("alone", rid))
 
 
 class ConfidenceTap:

@@ -403,3 +403,44 @@ def test_confidence_tap_sums_tree_scores_per_slot():
     assert out.keys() == {3, 5}
     assert out[3] == pytest.approx(1.6) and out[5] == pytest.approx(0.3)
     assert tap.take() == {}
+
+
+def test_goodput_measures_each_request_decoding_alone_apart():
+    """At batch 1 the gate's regime is the request: one whose drafts are never accepted (the full
+    tree measured at half plain's speed) goes plain; the next request is measured afresh and
+    speculates with the full tree where it accepts (its start is the models' call, which the
+    first request taught to expect little); a released request's measurements are dropped."""
+    cheap = CostPrior(a=0.030, b=0.0, c=0.0001)  # the models expect speculation to pay
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
+    gate = ctl.policy.gate
+
+    def run(rid, accepted_per_step, steps=200):
+        played = []
+        for _ in range(steps):
+            nodes = ctl.plan([rid])[rid].max_nodes
+            played.append(nodes)
+            acc = min(nodes, accepted_per_step)
+            seconds = 0.010 if nodes == 0 else 0.020  # speculation costs 2x a plain step
+            ctl.observe(StepObservation(batch_size=1, tokens=1 + nodes, seconds=seconds,
+                                        decode_seconds=seconds, accepted={rid: acc}))
+        return played
+
+    hard = run("hard", 0)
+    assert hard[0] == 8 and gate.leader[("alone", "hard")] == "plain" and hard[-100:].count(0) >= 80
+    easy = run("easy", 6)  # 7 tokens in 2 plain steps' time
+    assert gate.leader[("alone", "easy")] == "full" and easy[-100:].count(8) >= 80
+    ctl.release("hard")
+    assert ("alone", "hard") not in gate.leader and not any(k[0] == ("alone", "hard") for k in gate.pairs)
+
+
+def test_goodput_starts_a_bigger_batch_plain_where_a_smaller_one_decodes_plainly():
+    """A batch size never seen before starts with plain decoding when the nearest smaller batch
+    size measured plain fastest, whatever the models predict; with nothing measured below, the
+    models' call (here: speculate) picks the first leader."""
+    cheap = CostPrior(a=0.030, b=0.0, c=0.0001)
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
+    rids = [f"r{i}" for i in range(32)]
+    assert max(b.max_nodes for b in ctl.plan(rids[:4]).values()) == 8  # bucket 2: the models' call
+    ctl.policy.gate.leader[3] = "plain"  # batch 8-15 measured plain fastest
+    assert max(b.max_nodes for b in ctl.plan(rids).values()) == 0
+    assert ctl.policy.gate.leader[5] == "plain"
