@@ -10,7 +10,8 @@ acceptance estimates (``costmodel.py``). Policies (``--spec-policy``):
   over per-request levels of a small budget grid, with hysteresis (a new plan
   must beat the current one by ``margin`` for ``patience`` steps in a row).
   How much to speculate is then settled by measurement, not by the models:
-  a ``ThroughputGate`` per batch-size bucket compares the measured decode
+  a ``ThroughputGate`` per batch-size bucket (per request for one decoding
+  alone) compares the measured decode
   tokens/s of plain decoding, the models' plan and the full tree for everyone,
   in pairs of adjacent runs, and plays the winner (a short run of the others
   every ``explore``-th step). A wrong
@@ -212,9 +213,8 @@ class GoodputPolicy(Policy):
         plan = default = None
         if regime not in self.gate.leader and self._leader_below(bucket) == "plain":
             # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
-            # where the next smaller one decodes plainly (starting from the models' guess, a
-            # first batch of 32 played the full tree for ~30 steps of ~3x plain's cost; goodput
-            # 0.83x of plain decoding at concurrency 32).
+            # where the next smaller one decodes plainly, rather than from the models' guess (their
+            # cost model is fitted mostly on smaller batches), and lets the pairs promote speculation.
             default = "plain"
         elif regime not in self.gate.leader:
             # A bucket's first leader, where the models would speculate, is the full tree: at
