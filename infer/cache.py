@@ -9,6 +9,7 @@ index tensors of :class:`StepAccess`.
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -130,7 +131,6 @@ class StepAccess:
             idx = torch.arange(1, n_new + 1, device=valid.device)
             row_new = (valid * idx).amax(dim=1).tolist()
         self.row_ends = [b + n for b, n in zip(base_lens, row_new)]  # keys each row needs
-        self.ends = torch.tensor(self.row_ends, dtype=torch.long)  # the same, for the CPU attention kernel
         longest = max(self.row_ends)
         if longest > cache.max_len:
             raise CacheFullError(f"a sequence would reach {longest} tokens; the cache holds max_len={cache.max_len}")
@@ -143,6 +143,11 @@ class StepAccess:
         self._row_slice = _consecutive(self.slots_list)  # a view of the cache rows, no copy
         self._dense = valid is None and len(set(base_lens)) == 1 and self._row_slice is not None
         self._groups: list[ReadGroup] | None = None
+
+    @cached_property
+    def ends(self) -> Tensor:
+        """``row_ends`` as a CPU tensor [B], for the CPU attention kernel (built only where it runs)."""
+        return torch.tensor(self.row_ends, dtype=torch.long)
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """k, v: [B, N, kv_heads, head_dim] for the new tokens of every sequence."""
