@@ -209,6 +209,10 @@ def test_suffix_array_matches_brute_force():
     for _ in range(50):
         a = rng.integers(-1, 4, size=int(rng.integers(1, 40)))
         assert build_suffix_array(a).tolist() == sorted(range(len(a)), key=lambda i: a[i:].tolist())
+    for _ in range(10):  # long repeats: many doubling rounds, most suffixes settled early
+        a = np.tile(rng.integers(0, 3, size=int(rng.integers(1, 9))), int(rng.integers(2, 30)))
+        a = np.concatenate([a, rng.integers(-1, 3, size=5)])
+        assert build_suffix_array(a).tolist() == sorted(range(len(a)), key=lambda i: a[i:].tolist())
 
 
 @pytest.fixture
