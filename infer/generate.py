@@ -13,6 +13,7 @@ import json
 import sys
 
 from specdec.heads.tree import TreeBudget
+from specdec.infer.dtypes import DTYPE_CHOICES
 from specdec.infer.drafters import available_methods
 
 
@@ -21,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m", help="target name, HF folder or .gguf (default smollm2-135m)")
     p.add_argument("--method", default="plain", help=f"drafting method: {', '.join(available_methods())}")
     p.add_argument("--head", default=None, help="trained head folder (head methods)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                   help="target dtype; auto: bfloat16 where the device computes it natively, else "
+                        "float32 (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

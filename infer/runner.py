@@ -20,21 +20,8 @@ from torch import Tensor
 from specdec.heads.tree import DraftTree, tree_masks
 
 from .cache import KVCache, StepAccess
+from .dtypes import torch_dtype
 from .models import build_backend
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
-    if dtype is None:
-        return default
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
 
 class TargetRunner:
     """Runs a frozen target over a preallocated ``[max_batch, max_len]`` KV cache.
@@ -47,8 +34,8 @@ class TargetRunner:
                  feature_spec=None, impl: str = "auto"):
         param = next(target.model.parameters())
         self.target = target
-        self.dtype = resolve_dtype(dtype, param.dtype)
         self.device = torch.device(device) if device is not None else param.device
+        self.dtype = param.dtype if dtype is None else torch_dtype(dtype, self.device)
         self.backend = build_backend(target.model, self.dtype, self.device, impl)
         self.cache = KVCache(self.backend.kv_shapes, max_batch, max_len, self.dtype, self.device)
         self.max_batch, self.max_len = max_batch, max_len

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.infer.dtypes import torch_dtype
+
 DEFAULT_TARGET = "smollm2-135m"
 TINY_TARGET = "tiny-llama"  # random 4-layer Llama built in code, for tests and recipes/tiny
 
@@ -216,12 +218,11 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
 
 
 def load_target(name_or_path=None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Target:
-    """Load a frozen target model + tokenizer from any supported name."""
+    """Load a frozen target model + tokenizer from any supported name; ``dtype`` a torch dtype
+    or a name (``auto``: see ``specdec.infer.dtypes.dtype_name``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    dtype = torch_dtype(dtype, device)
     name, where, gguf = resolve_target(name_or_path)
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:

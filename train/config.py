@@ -37,8 +37,9 @@ SECTIONS = ("target", "head", "data", "loss", "optim", "output", "deepspeed", "w
 @dataclass
 class TargetConfig:
     name: str = "smollm2-135m"  # embedded name, HF folder, .gguf file or hub id
-    # dtype of the frozen target for feature capture / online features
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # dtype of the frozen target for feature capture / online features (auto: bfloat16 where
+    # the device computes it natively, else float32)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
 
 
 @dataclass
@@ -106,7 +107,7 @@ class OutputConfig:
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = 0  # 0-3
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 where the device has it natively
     extra: dict[str, Any] = field(default_factory=dict)  # deep-merged into the DeepSpeed config
 
 

@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from specdec.infer.dtypes import DTYPE_CHOICES, torch_dtype
+
 from .data import FORMATS  # a tuple in a light module: --help stays instant
 
 
@@ -26,8 +28,9 @@ def add_target_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.add_argument("--target", default="smollm2-135m",
                    help="target model: embedded name (smollm2-135m, tiny-llama), HF folder, .gguf "
                         "file or hub id (default: %(default)s)")
-    p.add_argument("--dtype", default=default_dtype, choices=["bfloat16", "float32", "float16"],
-                   help="dtype to run the target in (default: %(default)s)")
+    p.add_argument("--dtype", default=default_dtype, choices=DTYPE_CHOICES,
+                   help="dtype to run the target in; auto: bfloat16 where the device computes it natively, "
+                        "else float32 (default: %(default)s)")
     add_device_arg(p)
 
 
@@ -70,7 +73,7 @@ def _load_target(args, name: str | None = None, dtype: str | None = None):
 # ----------------------------------------------------------------------------- regenerate
 
 def regenerate_args(p: argparse.ArgumentParser) -> None:
-    add_target_args(p, default_dtype="bfloat16")
+    add_target_args(p, default_dtype="auto")
     add_data_args(p)
     p.add_argument("--out", required=True, help="output JSONL (appended to; rerun to resume)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (KV-cache slots; default: %(default)s)")
@@ -98,7 +101,7 @@ def regenerate_run(args) -> int:
 # ----------------------------------------------------------------------------- capture
 
 def capture_args(p: argparse.ArgumentParser) -> None:
-    add_target_args(p, default_dtype="bfloat16")
+    add_target_args(p, default_dtype="auto")
     add_data_args(p)
     p.add_argument("--out", required=True, help="capture directory (rerun the same command to resume)")
     spec = p.add_argument_group("features (a head type's spec, or explicit; explicit flags win)")
@@ -156,7 +159,7 @@ def evaluate_args(p: argparse.ArgumentParser) -> None:
                    help="where to load the captured target from, if not by the name its capture "
                         "recorded (an HF folder or .gguf of the same weights); loaded in the "
                         "capture's dtype")
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="dtype the heads compute in (default: %(default)s)")
     add_device_arg(p)
     p.add_argument("heads", nargs="+", metavar="HEAD_DIR", help="trained heads (<output.dir>/final)")
@@ -196,7 +199,8 @@ def evaluate_run(args) -> int:
     target = _load_target(args, name=args.target or captured["target"]["name"], dtype=captured["dtype"])
     store = FeatureStore(args.features, target=target)
     source = StoreSource(store, range(len(store)))
-    dtype, device = getattr(torch, args.dtype), next(target.model.parameters()).device
+    device = next(target.model.parameters()).device
+    dtype = torch_dtype(args.dtype, device)
     results = {}
     for head_dir in args.heads:
         head = load_head(head_dir, target=target).to(device, dtype)

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.infer.dtypes import native_bf16
+
 from .batches import GlobalBatchPlan, eval_batches
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Recipe, split_loss
@@ -88,7 +90,7 @@ def barrier() -> None:
 
 def use_bf16(recipe: Recipe, device: torch.device) -> bool:
     precision = recipe.deepspeed.precision
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return precision == "bf16" or (precision == "auto" and native_bf16(device))
 
 
 def schedule_steps(recipe: Recipe, steps_per_epoch: int) -> tuple[int, int]:

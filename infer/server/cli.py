@@ -17,6 +17,8 @@ import os
 import sys
 import threading
 import time
+
+from specdec.infer.dtypes import DTYPE_CHOICES
 from pathlib import Path
 
 DEFAULT_HEAD = Path("runs/smollm2-135m/eagle3/final")
@@ -113,7 +115,9 @@ def parse_args(argv=None):
     p.add_argument("--head", help=f"trained head folder (default: {DEFAULT_HEAD} if it exists)")
     p.add_argument("--method", help="plain, a head method (eagle3, medusa, ...) or pld/lookahead/...; "
                    "default: eagle3 with a head, else plain")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                   help="target dtype; auto: bfloat16 where the device computes it natively, else "
+                        "float32 (default: %(default)s)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)

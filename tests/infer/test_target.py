@@ -20,6 +20,30 @@ def test_tiny_target_from_a_folder(tiny_target_dir):
     assert target.identity()["hidden_size"] == 64
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bf16_only_where_the_device_computes_it(monkeypatch, tiny_target_dir, native):
+    """``auto`` (recipes, --dtype) must not pick bf16 on a CPU that emulates it (4.7x slower)."""
+    from specdec.infer import dtypes
+    from specdec.infer.runner import TargetRunner
+    from specdec.train.config import Recipe
+    from specdec.train.trainer import use_bf16
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    want = torch.bfloat16 if native else torch.float32
+    assert dtypes.native_bf16("cpu") is native
+    assert dtypes.dtype_name("auto") == str(want).removeprefix("torch.")
+    assert dtypes.dtype_name("bf16") == "bfloat16"  # aliases pass through, spelled out
+    target = load_target(str(tiny_target_dir), dtype="auto")
+    assert next(target.model.parameters()).dtype == want
+    assert TargetRunner(target, max_batch=1, max_len=8, dtype="auto").dtype == want
+    recipe = Recipe()
+    assert recipe.deepspeed.precision == "auto"
+    assert use_bf16(recipe, torch.device("cpu")) is native
+    with pytest.raises(ValueError, match="unknown dtype 'int8'; use one of auto, float32"):
+        dtypes.torch_dtype("int8")
+
+
 def test_identity_tells_different_weights_apart(tmp_path, tiny_target):
     from specdec.infer.tiny import build_tiny_target
 
