@@ -1,4 +1,4 @@
-"""DecodeLinear: oneDNN-prepacked bf16 projections compute what F.linear computes."""
+"""DecodeLinear: oneDNN-prepacked projections compute what F.linear computes."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,23 @@ def test_packed_bf16_matches_f_linear(rows, with_bias):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_fp32_is_never_packed_and_exact():
-    w, x = torch.randn(8, 4), torch.randn(2, 3, 4)
+@pytest.mark.skipif(not _can_pack(torch.zeros(1)), reason="needs oneDNN (mkldnn) on the CPU")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fp32_is_packed_and_equal_up_to_rounding(rows):
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(2, rows, 64, generator=g)
+    lin = DecodeLinear(w, b)
+    assert lin.packed is not None
+    got = lin(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_emulated_bf16_is_not_packed(monkeypatch):
+    """Without AVX512-BF16, oneDNN's packed bf16 path is missing or slow: keep F.linear."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    w, x = torch.randn(8, 4).bfloat16(), torch.randn(2, 3, 4).bfloat16()
     lin = DecodeLinear(w)
     assert lin.packed is None
     assert torch.equal(lin(x), F.linear(x, w))
