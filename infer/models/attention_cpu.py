@@ -27,78 +27,37 @@ built (no C++ compiler; ``SPECDEC_CPU_ATTENTION=0`` turns it off), the decoder k
 """
 from __future__ import annotations
 
-import os
-import sys
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ENV = "SPECDEC_CPU_ATTENTION"
-SOURCE = Path(__file__).with_suffix(".cpp")
+from .cpp_kernels import CppKernel
+
 NAME = "specdec_cpu_attention"
 # Query rows per kv head up to which the kernel measured at least SDPA's speed (1 x 700 keys,
 # 192 rows: 799 vs 870 us; a 512-token prefill chunk, 1,536 rows: 9.5 vs 8.5 ms).
 KERNEL_MAX_ROWS = 192
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
 
-_lock = threading.Lock()
-_op = None          # torch.ops.specdec_cpu.decode_attention once built
-_failed: str | None = None  # why the kernel is unavailable, once known
+
+def _cpu_reason() -> str | None:
+    return None if torch.backends.cpu.get_cpu_capability() == "AVX512" else "the CPU lacks AVX-512"
 
 
-def _supported_cpu() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+KERNEL = CppKernel(NAME, Path(__file__).with_suffix(".cpp"), FLAGS, "specdec_cpu.decode_attention",
+                   "decode-attention", "SPECDEC_CPU_ATTENTION", _cpu_reason)
 
 
 def kernel():
     """The compiled op, building it on first use; None where it cannot be had (the reason is in
-    ``unavailable_reason()``, and a warning said it once)."""
-    global _op, _failed
-    if _op is not None or _failed is not None:
-        return _op
-    with _lock:
-        if _op is not None or _failed is not None:
-            return _op
-        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
-            _failed = f"{ENV}=0"
-            return None
-        if not _supported_cpu():
-            _failed = "the CPU lacks AVX-512"
-            return None
-        try:
-            _op = _build()
-        except Exception as err:  # no compiler, no headers ...: SDPA still computes the same thing
-            last_line = (str(err).strip().splitlines() or [""])[-1]  # a build error ends with its cause
-            _failed = f"{type(err).__name__}: {last_line}"
-            warnings.warn(f"specdec: the CPU decode-attention kernel is unavailable ({_failed}); using SDPA",
-                          RuntimeWarning, stacklevel=2)
-        return _op
+    ``unavailable_reason()``)."""
+    return KERNEL.get()
 
 
 def unavailable_reason() -> str | None:
-    kernel()
-    return _failed
-
-
-def _build():
-    from torch.utils import cpp_extension
-    try:  # the ninja that pip installed may not be on PATH when the venv is not activated
-        import ninja
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
-    try:  # a private helper: only for the notice
-        built = any(Path(cpp_extension._get_build_directory(NAME, verbose=False)).glob(f"{NAME}*.so"))
-    except Exception:
-        built = False
-    if not built:
-        print("specdec: compiling the CPU decode-attention kernel once (~15 s)", file=sys.stderr, flush=True)
-    cpp_extension.load(NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=False)
-    return torch.ops.specdec_cpu.decode_attention
+    return KERNEL.unavailable_reason()
 
 
 def takes(dtype: torch.dtype, device: torch.device, head_dim: int, rows: int) -> bool:
@@ -115,7 +74,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
     cache row ``slots[b]`` (default b), keys ``0 .. lengths[b]-1`` (default all L), under the
     additive ``mask`` [B|1, H|1, R, >= lengths]. The same as ``reference`` computes; the caller
     checked ``takes`` first."""
-    return _op(q, k, v, mask, scale, slots, lengths)
+    return KERNEL.get()(q, k, v, mask, scale, slots, lengths)
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,

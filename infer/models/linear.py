@@ -10,13 +10,35 @@ too: on that machine it measured no gain, but on a 2-core AMD CPU without AVX-51
 ~1.5x at 16 (tree verification). Packed fp32 differs from ``F.linear`` by rounding only
 (~1e-6 relative); neither is bitwise invariant to the number of rows, so greedy equality
 between speculative and plain decoding stands on the same ground as before. bf16 is packed only
-where the CPU computes it natively (AVX512-BF16); other devices keep ``F.linear``.
+where the CPU computes it natively (AVX512-BF16). Elsewhere on an AVX2 CPU bf16 runs in
+``linear_cpu.cpp`` (PyTorch's emulated bf16 matmul there grew with the rows: a 16-token
+verification cost 5.7x a decode step, 2.3x with the kernel), which also gives each row the same
+bits at any batch size. Other devices keep ``F.linear``.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .cpp_kernels import CppKernel
+
+
+def _emulated_bf16_reason() -> str | None:
+    """Why ``linear_cpu.cpp`` is not for this CPU: it serves AVX2 CPUs that emulate bf16."""
+    if torch.cpu._is_avx512_bf16_supported():
+        return "the CPU computes bf16 natively (oneDNN serves it)"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "the CPU lacks AVX2"
+    return None
+
+
+# bf16 weights on a CPU without native bf16 (see linear_cpu.cpp); SPECDEC_CPU_LINEAR=0: F.linear.
+BF16_KERNEL = CppKernel("specdec_cpu_linear", Path(__file__).with_name("linear_cpu.cpp"),
+                        ["-O3", "-mavx2", "-mfma", "-fopenmp"], "specdec_cpu_linear.bf16_linear",
+                        "bf16 linear", "SPECDEC_CPU_LINEAR", _emulated_bf16_reason)
 
 
 def _can_pack(weight: Tensor) -> bool:
@@ -32,15 +54,21 @@ class DecodeLinear:
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
         self.weight, self.bias = weight, bias                                # [out, in], [out]
         self.packed = None
+        self.kernel = None  # linear_cpu.cpp, for bf16 where the CPU emulates it
         if _can_pack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             except RuntimeError:  # an oneDNN build without this layout: the plain call works
                 pass
+        elif weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.is_contiguous():
+            self.kernel = BF16_KERNEL.get()
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.kernel is not None and x.dtype == torch.bfloat16:
+            y = self.kernel(x.reshape(-1, x.shape[-1]), self.weight, self.bias)   # [rows, out]
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
 
@@ -54,7 +82,7 @@ def pack_linears(module: torch.nn.Module, skip_out_features: int | None = None) 
         if not isinstance(m, torch.nn.Linear) or m.out_features == skip_out_features:
             continue
         fast = DecodeLinear(m.weight.detach(), None if m.bias is None else m.bias.detach())
-        if fast.packed is not None:  # GPU layers (and emulated bf16) keep their own forward
+        if fast.packed is not None or fast.kernel is not None:  # GPU layers keep their own forward
             m.forward = fast  # an instance attribute: nn.Module.__call__ dispatches to it
             n += 1
     return n

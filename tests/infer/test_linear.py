@@ -36,12 +36,13 @@ def test_fp32_is_packed_and_equal_up_to_rounding(rows):
 
 
 def test_emulated_bf16_is_not_packed(monkeypatch):
-    """Without AVX512-BF16, oneDNN's packed bf16 path is missing or slow: keep F.linear."""
+    """Without AVX512-BF16, oneDNN's packed bf16 path is missing or slow: the AVX2 kernel
+    (below) or F.linear serves it."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     w, x = torch.randn(8, 4).bfloat16(), torch.randn(2, 3, 4).bfloat16()
     lin = DecodeLinear(w)
     assert lin.packed is None
-    assert torch.equal(lin(x), F.linear(x, w))
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-4)
 
 
 @pytest.mark.skipif(not _can_pack(torch.zeros(1, dtype=torch.bfloat16)),
@@ -69,3 +70,81 @@ def test_pack_linears_leaves_the_vocabulary_sized_layers_to_the_drafter():
     net = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 100)).bfloat16()
     assert pack_linears(net, skip_out_features=100) == 1
     assert isinstance(net[0].forward, DecodeLinear) and not isinstance(net[1].forward, DecodeLinear)
+
+
+# ---------------------------------------------------------------------------- linear_cpu.cpp
+
+from specdec.infer.models.linear import BF16_KERNEL  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(BF16_KERNEL.unavailable_reason() is not None,
+                                  reason=f"no bf16 linear kernel here: {BF16_KERNEL.unavailable_reason()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 64, 96), (2, 13, 7), (3, 576, 3072), (16, 72, 33), (33, 8, 5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_kernel_matches_fp32_maths(shape, with_bias):
+    """One rounding of an fp32 sum: within bf16's half-ulp of the exact product, for any M, K
+    (tails past multiples of 8) and N (tails past tiles of 4)."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    got = BF16_KERNEL.get()(x, w, b)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+
+
+@needs_kernel
+def test_bf16_kernel_gives_each_row_the_same_bits_at_any_batch():
+    """Verification (many rows) computes exactly what one-token decoding (one row) computes."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(21, 200, generator=g).bfloat16(), torch.randn(50, 200, generator=g).bfloat16()
+    b = torch.randn(50, generator=g).bfloat16()
+    op = BF16_KERNEL.get()
+    together = op(x, w, b)
+    assert torch.equal(together, torch.cat([op(x[i:i + 1], w, b) for i in range(len(x))]))
+    assert torch.equal(together[:7], op(x[:7], w, b))
+
+
+@needs_kernel
+def test_decode_linear_routes_emulated_bf16_through_the_kernel(monkeypatch):
+    calls = []
+    op = BF16_KERNEL.get()
+    monkeypatch.setattr(BF16_KERNEL, "_op", lambda *a: calls.append(a[0].shape) or op(*a))
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(12, 40, generator=g).bfloat16(), torch.randn(2, 3, 40, generator=g).bfloat16()
+    lin = DecodeLinear(w)
+    assert lin.packed is None and lin.kernel is not None
+    got = lin(x)
+    assert calls == [(6, 40)] and got.shape == (2, 3, 12)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-4)
+
+
+@needs_kernel
+def test_bf16_kernel_names_bad_input():
+    op = BF16_KERNEL.get()
+    x, w = torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        op(x.float(), w)
+    with pytest.raises(RuntimeError, match="x has 7 columns, w 8"):
+        op(x[:, :7], w)
+    with pytest.raises(RuntimeError, match=r"bias must be \[4\]"):
+        op(x, w, torch.zeros(3).bfloat16())
+
+
+def test_cpp_kernel_switched_off_by_its_environment_variable(monkeypatch, tmp_path):
+    from specdec.infer.models.cpp_kernels import CppKernel
+
+    monkeypatch.setenv("SPECDEC_TEST_KERNEL", "0")
+    off = CppKernel("x", tmp_path / "x.cpp", [], "x.y", "test", "SPECDEC_TEST_KERNEL", lambda: None)
+    assert off.get() is None and off.unavailable_reason() == "SPECDEC_TEST_KERNEL=0"
+    monkeypatch.delenv("SPECDEC_TEST_KERNEL")
+    cpu = CppKernel("x", tmp_path / "x.cpp", [], "x.y", "test", "SPECDEC_TEST_KERNEL", lambda: "no AVX2")
+    assert cpu.get() is None and cpu.unavailable_reason() == "no AVX2"
+    with pytest.warns(RuntimeWarning, match="the CPU test kernel is unavailable"):
+        missing = CppKernel("specdec_missing", tmp_path / "missing.cpp", [], "x.y", "test",
+                            "SPECDEC_TEST_KERNEL", lambda: None)
+        assert missing.get() is None
+    assert missing.unavailable_reason()
