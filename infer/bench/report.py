@@ -57,8 +57,11 @@ def markdown(data: dict) -> str:
         "# specdec-bench: Spec-Bench method",
         "",
         f"- target: `{tgt.get('name')}` ({tgt.get('model_type')}, dtype {s['dtype']})",
-        f"- machine: {mach.get('cpu')}, {mach.get('cores')} cores, torch {mach.get('torch')}, "
-        f"device {mach.get('device')}" + (f" ({mach['gpu']})" if mach.get("gpu") else ""),
+        f"- machine: {mach.get('cpu')}, {mach.get('cores')} cores"
+        + (f", {mach['cpu_capability']}, native bf16 {'yes' if mach.get('cpu_native_bf16') else 'no'}"
+           if mach.get("cpu_capability") else "")
+        + f", torch {mach.get('torch')}, device {mach.get('device')}"
+        + (f" ({mach['gpu']})" if mach.get("gpu") else ""),
         f"- questions: {s['n_questions']} from `{s['questions']}` "
         f"({', '.join(cats)}); max_new_tokens {s['max_new_tokens']}; runs {s['runs']}; "
         "batch 1, greedy, warm-up on the first question",

@@ -263,15 +263,22 @@ def max_context(tokenizer, questions: list[dict], max_new_tokens: int) -> int:
 
 
 def machine_info(device: str) -> dict:
+    from specdec.infer.dtypes import native_bf16
+
     cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith(("model name", "cpu family")))
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        cpu = fields.get("model name", cpu)
+        if "cpu family" in fields:  # "AMD EPYC" alone names several machine kinds
+            cpu += f" (family {fields['cpu family']})"
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    # the vector ISA and native bf16 decide which kernels run: figures differ by both
+    info = {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_native_bf16": native_bf16("cpu"),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "device": str(device), "python": platform.python_version(),
             "platform": platform.platform()}
     if str(device).startswith("cuda") and torch.cuda.is_available():

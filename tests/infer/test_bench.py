@@ -111,7 +111,7 @@ def test_bench_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path):
         assert (out / name).stat().st_size > 0
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = json.loads((out / "results.json").read_text())
-    assert {"cpu", "cores", "torch", "device"} <= set(res["machine"])
+    assert {"cpu", "cpu_capability", "cpu_native_bf16", "cores", "torch", "device"} <= set(res["machine"])
     assert res["target"]["name"] == tiny_target_dir.name
     assert res["settings"]["max_new_tokens"] == 16 and res["settings"]["runs"] == 2
     assert set(res["methods"]) == {"hf", "plain", "pld"}
