@@ -11,9 +11,9 @@ too: on that machine it measured no gain, but on a 2-core AMD CPU without AVX-51
 (~1e-6 relative); neither is bitwise invariant to the number of rows, so greedy equality
 between speculative and plain decoding stands on the same ground as before. bf16 is packed only
 where the CPU computes it natively (AVX512-BF16). Elsewhere on an AVX2 CPU bf16 runs in
-``linear_cpu.cpp`` (PyTorch's emulated bf16 matmul there grew with the rows: a 16-token
-verification cost 5.7x a decode step, 2.3x with the kernel), which also gives each row the same
-bits at any batch size. Other devices keep ``F.linear``.
+``linear_cpu.cpp`` from two rows on (PyTorch's emulated bf16 matmul there grew with the rows:
+a 16-token verification cost 5.7-7x a decode step, 2.2x with the kernel; a single row keeps
+PyTorch's GEMV, the faster one there). Other devices keep ``F.linear``.
 """
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ class DecodeLinear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.kernel is not None and x.dtype == torch.bfloat16:
+        # one row (a batch-1 decode step): PyTorch's bf16 GEMV measured ~13% faster a step than
+        # the kernel's; from two rows on the kernel is 2-7x faster than the emulated matmul
+        if self.kernel is not None and x.dtype == torch.bfloat16 and x.numel() > x.shape[-1]:
             y = self.kernel(x.reshape(-1, x.shape[-1]), self.weight, self.bias)   # [rows, out]
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)

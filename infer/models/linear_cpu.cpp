@@ -5,6 +5,7 @@
 // once per step in bf16, widened to fp32 in registers (a bf16 is the top half of an fp32) and
 // multiplied into up to 3 rows of x at a time, fp32 accumulation, one rounding to bf16 at the
 // end: the cost stays that of reading the weights until the FMAs catch up (~16 rows on 2 cores).
+// (DecodeLinear sends single rows to PyTorch's bf16 GEMV, ~13% faster a decode step there.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,9 +50,10 @@ inline void finish(__m256 acc, const float* x, const uint16_t* w, int64_t K8, in
   *out = s;
 }
 
-// 1 x 4 from bf16 weight rows (a decode step: weights stream from memory once).
-void tile1x4(const float* x, const uint16_t* const w[4], int64_t K, float out[4]) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// 1 x 8 from bf16 weight rows (a decode step: the weights stream from memory once; eight rows in
+// flight kept more of the memory bandwidth busy than four).
+void tile1x8(const float* x, const uint16_t* const w[8], int64_t K, float out[8]) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   const int64_t K8 = K - K % 8;
   for (int64_t k = 0; k < K8; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
@@ -59,11 +61,13 @@ void tile1x4(const float* x, const uint16_t* const w[4], int64_t K, float out[4]
     a1 = _mm256_fmadd_ps(xv, load_bf16x8(w[1] + k), a1);
     a2 = _mm256_fmadd_ps(xv, load_bf16x8(w[2] + k), a2);
     a3 = _mm256_fmadd_ps(xv, load_bf16x8(w[3] + k), a3);
+    a4 = _mm256_fmadd_ps(xv, load_bf16x8(w[4] + k), a4);
+    a5 = _mm256_fmadd_ps(xv, load_bf16x8(w[5] + k), a5);
+    a6 = _mm256_fmadd_ps(xv, load_bf16x8(w[6] + k), a6);
+    a7 = _mm256_fmadd_ps(xv, load_bf16x8(w[7] + k), a7);
   }
-  finish(a0, x, w[0], K8, K, out + 0);
-  finish(a1, x, w[1], K8, K, out + 1);
-  finish(a2, x, w[2], K8, K, out + 2);
-  finish(a3, x, w[3], K8, K, out + 3);
+  const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  for (int n = 0; n < 8; ++n) finish(acc[n], x, w[n], K8, K, out + n);
 }
 
 // 3 x 4 from weight rows already widened to fp32 (wf, [4, K], in L1: several row blocks read them).
@@ -113,26 +117,34 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  if (M == 1) {  // a decode step: one row of x, eight weight rows a tile
+    at::parallel_for(0, (N + 7) / 8, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * 8, nb = std::min<int64_t>(8, N - n0);
+        const uint16_t* w[8];
+        for (int64_t n = 0; n < 8; ++n) w[n] = wp + (n0 + (n < nb ? n : 0)) * K;
+        float acc[8];
+        tile1x8(xp, w, K, acc);
+        for (int64_t n = 0; n < nb; ++n) op[n0 + n] = acc[n] + (bp ? bp[n0 + n] : 0.f);
+      }
+    });
+    return out.to(at::kBFloat16);
+  }
   const int64_t tiles = (N + kRowsN - 1) / kRowsN;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(M > 1 ? kRowsN * K : 0);
+    std::vector<float> wf(kRowsN * K);
     for (int64_t t = begin; t < end; ++t) {
       // a last tile of fewer than 4 weight rows repeats its first row; the extra sums are dropped
       const int64_t n0 = t * kRowsN, nb = std::min(kRowsN, N - n0);
       const uint16_t* w[kRowsN];
       for (int64_t n = 0; n < kRowsN; ++n) w[n] = wp + (n0 + (n < nb ? n : 0)) * K;
       float acc[kRowsM][kRowsN];
-      if (M > 1)
-        for (int64_t n = 0; n < kRowsN; ++n) widen(w[n], wf.data() + n * K, K);
+      for (int64_t n = 0; n < kRowsN; ++n) widen(w[n], wf.data() + n * K, K);
       for (int64_t m0 = 0; m0 < M; m0 += kRowsM) {
         const int64_t mb = std::min(kRowsM, M - m0);
-        if (M == 1) {
-          tile1x4(xp, w, K, acc[0]);
-        } else {  // likewise a last block of fewer than 3 rows of x repeats its first row
-          const float* x[kRowsM];
-          for (int64_t m = 0; m < kRowsM; ++m) x[m] = xp + (m0 + (m < mb ? m : 0)) * K;
-          tile3x4(x, wf.data(), w, K, acc);
-        }
+        const float* x[kRowsM];  // likewise a last block of fewer than 3 rows of x repeats its first row
+        for (int64_t m = 0; m < kRowsM; ++m) x[m] = xp + (m0 + (m < mb ? m : 0)) * K;
+        tile3x4(x, wf.data(), w, K, acc);
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t n = 0; n < nb; ++n) op[(m0 + m) * N + n0 + n] = acc[m][n] + (bp ? bp[n0 + n] : 0.f);
       }

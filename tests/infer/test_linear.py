@@ -120,6 +120,7 @@ def test_decode_linear_routes_emulated_bf16_through_the_kernel(monkeypatch):
     got = lin(x)
     assert calls == [(6, 40)] and got.shape == (2, 3, 12)
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-4)
+    assert torch.equal(lin(x[:1, :1]), F.linear(x[:1, :1], w)) and len(calls) == 1  # one row: GEMV
 
 
 @needs_kernel
