@@ -68,7 +68,7 @@ def setup_distributed() -> DistInfo:
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    if not cuda:
+    else:
         # DeepSpeed's shared-memory all-reduce for CPUs is a C++ op compiled on first use (~1 min
         # on 2 cores, measured) that gloo replaces at no cost worth a build for draft heads'
         # small gradients. DeepSpeed keeps this dict and reads it when it sets up its backend.

@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdec.infer.dtypes import native_bf16
+
 from .cpp_kernels import CppKernel
 
 
 def _emulated_bf16_reason() -> str | None:
     """Why ``linear_cpu.cpp`` is not for this CPU: it serves AVX2 CPUs that emulate bf16."""
-    if torch.cpu._is_avx512_bf16_supported():
+    if native_bf16("cpu"):
         return "the CPU computes bf16 natively (oneDNN serves it)"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return "the CPU lacks AVX2"
@@ -42,8 +44,7 @@ BF16_KERNEL = CppKernel("specdec_cpu_linear", Path(__file__).with_name("linear_c
 
 
 def _can_pack(weight: Tensor) -> bool:
-    native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                               and torch.cpu._is_avx512_bf16_supported())
+    native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16("cpu"))
     return (weight.device.type == "cpu" and native and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 

@@ -5,7 +5,8 @@
 // once per step in bf16, widened to fp32 in registers (a bf16 is the top half of an fp32) and
 // multiplied into up to 3 rows of x at a time, fp32 accumulation, one rounding to bf16 at the
 // end: the cost stays that of reading the weights until the FMAs catch up (~16 rows on 2 cores).
-// (DecodeLinear sends single rows to PyTorch's bf16 GEMV, ~13% faster a decode step there.)
+// DecodeLinear sends single rows to PyTorch's bf16 GEMV (~13% faster a decode step there), so a
+// single row here simply takes the general path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -41,33 +42,13 @@ inline float bf16_to_float(uint16_t b) {
 }
 
 // One tile: x rows x0..x2 (fp32) times weight rows w0..w3, as fp32 sums over k in the same
-// order for every (row, weight row) pair, whatever the tile shape: a row of x gets the same bits
+// order for every (row, weight row) pair, wherever the row sits in a tile: a row of x gets the same bits
 // alone or in a batch. Accumulators are named variables: kept in an array, GCC spilled all 12 to
 // the stack on every step of k.
 inline void finish(__m256 acc, const float* x, const uint16_t* w, int64_t K8, int64_t K, float* out) {
   float s = hsum(acc);
   for (int64_t k = K8; k < K; ++k) s += x[k] * bf16_to_float(w[k]);
   *out = s;
-}
-
-// 1 x 8 from bf16 weight rows (a decode step: the weights stream from memory once; eight rows in
-// flight kept more of the memory bandwidth busy than four).
-void tile1x8(const float* x, const uint16_t* const w[8], int64_t K, float out[8]) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  const int64_t K8 = K - K % 8;
-  for (int64_t k = 0; k < K8; k += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + k);
-    a0 = _mm256_fmadd_ps(xv, load_bf16x8(w[0] + k), a0);
-    a1 = _mm256_fmadd_ps(xv, load_bf16x8(w[1] + k), a1);
-    a2 = _mm256_fmadd_ps(xv, load_bf16x8(w[2] + k), a2);
-    a3 = _mm256_fmadd_ps(xv, load_bf16x8(w[3] + k), a3);
-    a4 = _mm256_fmadd_ps(xv, load_bf16x8(w[4] + k), a4);
-    a5 = _mm256_fmadd_ps(xv, load_bf16x8(w[5] + k), a5);
-    a6 = _mm256_fmadd_ps(xv, load_bf16x8(w[6] + k), a6);
-    a7 = _mm256_fmadd_ps(xv, load_bf16x8(w[7] + k), a7);
-  }
-  const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-  for (int n = 0; n < 8; ++n) finish(acc[n], x, w[n], K8, K, out + n);
 }
 
 // 3 x 4 from weight rows already widened to fp32 (wf, [4, K], in L1: several row blocks read them).
@@ -117,19 +98,6 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  if (M == 1) {  // a decode step: one row of x, eight weight rows a tile
-    at::parallel_for(0, (N + 7) / 8, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * 8, nb = std::min<int64_t>(8, N - n0);
-        const uint16_t* w[8];
-        for (int64_t n = 0; n < 8; ++n) w[n] = wp + (n0 + (n < nb ? n : 0)) * K;
-        float acc[8];
-        tile1x8(xp, w, K, acc);
-        for (int64_t n = 0; n < nb; ++n) op[n0 + n] = acc[n] + (bp ? bp[n0 + n] : 0.f);
-      }
-    });
-    return out.to(at::kBFloat16);
-  }
   const int64_t tiles = (N + kRowsN - 1) / kRowsN;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(kRowsN * K);

@@ -17,9 +17,9 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 from specdec.infer.dtypes import DTYPE_CHOICES
-from pathlib import Path
 
 DEFAULT_HEAD = Path("runs/smollm2-135m/eagle3/final")
 log = logging.getLogger("specdec.serve")

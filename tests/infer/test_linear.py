@@ -39,6 +39,7 @@ def test_emulated_bf16_is_not_packed(monkeypatch):
     """Without AVX512-BF16, oneDNN's packed bf16 path is missing or slow: the AVX2 kernel
     (below) or F.linear serves it."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     w, x = torch.randn(8, 4).bfloat16(), torch.randn(2, 3, 4).bfloat16()
     lin = DecodeLinear(w)
     assert lin.packed is None
