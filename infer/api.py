@@ -20,7 +20,7 @@ class LLM:
     ``target``: a name or folder for ``load_target`` or an already loaded ``Target``.
     ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
     ``dtype`` None: an already loaded target runs in its own dtype, a name loads in float32;
-    ``auto``: bfloat16 where the device computes it natively, else float32.
+    ``auto``: bfloat16 where the device decodes faster in it (``dtypes.fast_bf16_decoding``), else float32.
     ``prefix_cache_mb`` > 0: prompts sharing a prefix with earlier ones reuse its K/V (off by default).
     """
 
@@ -33,7 +33,7 @@ class LLM:
         from specdec.infer.target import Target, load_target
 
         if dtype is not None:
-            dtype = dtype_name(dtype, device)  # one concrete dtype for the target and the engine
+            dtype = dtype_name(dtype, device, decoding=True)  # one concrete dtype for the target and the engine
         if not isinstance(target, Target):
             target = load_target(target, dtype=dtype or "float32", device=device)
         self.target = target

@@ -13,7 +13,7 @@ import json
 import sys
 
 from specdec.heads.tree import TreeBudget
-from specdec.infer.dtypes import DTYPE_CHOICES
+from specdec.infer.dtypes import AUTO_DECODING_HELP, DTYPE_CHOICES
 from specdec.infer.drafters import available_methods
 
 
@@ -23,8 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="plain", help=f"drafting method: {', '.join(available_methods())}")
     p.add_argument("--head", default=None, help="trained head folder (head methods)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                   help="target dtype; auto: bfloat16 where the device computes it natively, else "
-                        "float32 (default: %(default)s)")
+                   help=f"target dtype; {AUTO_DECODING_HELP} (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.infer.dtypes import DTYPE_CHOICES, dtype_name
+from specdec.infer.dtypes import AUTO_DECODING_HELP, DTYPE_CHOICES, dtype_name
 
 EPILOG = """\
 methods: plain, hf (HF transformers generate(); always run as the reference), head methods with
@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N questions in all, round-robin over the categories (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                   help="target dtype for every method, HF included; auto: bfloat16 where the device "
-                        "computes it natively, else float32 (default: %(default)s)")
+                   help=f"target dtype for every method, HF included; {AUTO_DECODING_HELP} "
+                        "(default: %(default)s)")
     p.add_argument("--runs", type=int, default=1, help="timed passes; >1 adds *_std fields (default: 1)")
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -92,7 +92,7 @@ def run(args):
     methods = specbench.parse_methods(args.methods)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     questions = specbench.load_questions(args.questions, cats, args.limit)
-    args.dtype = dtype_name(args.dtype, device)  # results.json records the dtype that ran
+    args.dtype = dtype_name(args.dtype, device, decoding=True)  # results.json records the dtype that ran
     target = load_target(args.target, dtype=args.dtype, device=device)
     answers = specbench.run_benchmark(target, methods, questions, args.max_new_tokens, args.runs,
                                       device, progress=False if args.no_progress else None)

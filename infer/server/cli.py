@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from specdec.infer.dtypes import DTYPE_CHOICES
+from specdec.infer.dtypes import AUTO_DECODING_HELP, DTYPE_CHOICES
 
 DEFAULT_HEAD = Path("runs/smollm2-135m/eagle3/final")
 log = logging.getLogger("specdec.serve")
@@ -39,6 +39,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     """
     from specdec.infer.drafters import make_drafter
     from specdec.infer.engine import Engine, SamplingParams
+    from specdec.infer.dtypes import dtype_name
     from specdec.infer.target import Target, load_target
 
     from .app import ServerConfig, create_app
@@ -46,6 +47,9 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     from .costmodel import CostModel
     from .metrics import ServerMetrics
     from .scheduler import Scheduler, TorchThread
+
+    if dtype is not None:  # one concrete dtype for the target and the engine
+        dtype = dtype_name(dtype, device, decoding=True)
 
     def build_engine():
         nonlocal target
@@ -116,8 +120,7 @@ def parse_args(argv=None):
     p.add_argument("--method", help="plain, a head method (eagle3, medusa, ...) or pld/lookahead/...; "
                    "default: eagle3 with a head, else plain")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                   help="target dtype; auto: bfloat16 where the device computes it natively, else "
-                        "float32 (default: %(default)s)")
+                   help=f"target dtype; {AUTO_DECODING_HELP} (default: %(default)s)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)

@@ -44,6 +44,25 @@ def test_auto_dtype_is_bf16_only_where_the_device_computes_it(monkeypatch, tiny_
         dtypes.torch_dtype("int8")
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_auto_for_decoding_is_bf16_where_the_avx2_kernel_runs(monkeypatch, tiny_target_dir, kernel):
+    """The runtime's ``auto`` also picks bf16 on a CPU without native bf16 that runs specdec's AVX2
+    bf16 linear kernel (decoding is memory-bound: half the bytes); training's ``auto`` does not."""
+    from specdec.infer import dtypes
+    from specdec.infer.api import LLM
+    from specdec.infer.models import linear
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(linear.BF16_KERNEL, "get", lambda: object() if kernel else None)
+    want = "bfloat16" if kernel else "float32"
+    assert dtypes.dtype_name("auto", "cpu", decoding=True) == want
+    assert dtypes.dtype_name("auto", "cpu") == "float32"  # recipes: capture and training
+    assert dtypes.dtype_name("float32", "cpu", decoding=True) == "float32"  # explicit names stay
+    llm = LLM(str(tiny_target_dir), dtype="auto", max_batch=1, max_len=32)
+    assert next(llm.target.model.parameters()).dtype == getattr(torch, want)
+
+
 def test_identity_tells_different_weights_apart(tmp_path, tiny_target):
     from specdec.infer.tiny import build_tiny_target
 
