@@ -292,7 +292,7 @@ def build_head(cls, cfg: dict, target=None) -> DraftHead:
             if trained_for.get("fingerprint") not in (None, ident.get("fingerprint")):
                 warnings.warn(f"head was trained for target {trained_for.get('name')!r}; the "
                               f"weights fingerprint of {target.name!r} differs (another checkpoint "
-                              "or dtype?)", stacklevel=3)
+                              "or a fine-tuned one?)", stacklevel=3)
         derived = cls.target_config(target)
         for k in cls.TARGET_FIELDS:
             if k in fields and k in derived and fields[k] != derived[k]:

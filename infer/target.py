@@ -106,7 +106,9 @@ class Target:
         shape = {k: cfg.get(k) for k in keys}
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
         emb = self.model.get_input_embeddings().weight
-        digest.update(emb[:4, :16].float().cpu().numpy().tobytes())  # cheap weights fingerprint
+        # A cheap weights fingerprint, rounded to bf16 so that the same checkpoint loaded in
+        # fp32 or bf16 (a head trained in one and served in the other) has one identity.
+        digest.update(emb[:4, :16].to(torch.bfloat16).float().cpu().numpy().tobytes())
         return {"name": self.name, **shape, "fingerprint": digest.hexdigest()[:16]}
 
 

@@ -70,6 +70,12 @@ def test_identity_tells_different_weights_apart(tmp_path, tiny_target):
     assert other.identity()["fingerprint"] != tiny_target.identity()["fingerprint"]
 
 
+def test_identity_is_the_same_in_fp32_and_bf16(tiny_target_dir, tiny_target):
+    # A head trained on the fp32 target and served in bf16 (`--dtype auto`) must not warn.
+    in_bf16 = load_target(str(tiny_target_dir), dtype=torch.bfloat16)
+    assert in_bf16.identity() == tiny_target.identity()
+
+
 def test_resolve_errors_are_clear(tmp_path):
     with pytest.raises(TargetError, match="does not exist"):
         resolve_target(str(tmp_path / "missing" / "model"))
