@@ -47,10 +47,22 @@ class TreeBudget:
 # verification of ~64 tokens is nearly free, so trees can be EAGLE-2's size.
 CPU_TREE_BUDGET = TreeBudget(max_nodes=8, max_depth=4, topk=4)
 GPU_TREE_BUDGET = TreeBudget(max_nodes=60, max_depth=7, topk=10)
+# A CPU without native bf16 (AVX2 only, e.g. AMD Zen 3) pays for every token verified: the
+# projections of 8 rows cost ~1.9x one row's, in fp32 and in specdec's bf16 kernel alike, so a
+# short chain pays where a tree does not. EAGLE-3 from its recipe, 8 Spec-Bench prompts x 128
+# tokens, bf16, on such a CPU: plain 31.0 tok/s; budgets 8/4/4 27.3, 6/3/3 27.3, 4/3/2 30.4,
+# 3/3/1 33.5, 2/2/1 33.9 (session 28; one pass each, ~±5%).
+CPU_CHAIN_BUDGET = TreeBudget(max_nodes=3, max_depth=3, topk=1)
 
 
 def default_budget(device: str | torch.device = "cpu") -> TreeBudget:
-    return GPU_TREE_BUDGET if torch.device(device).type == "cuda" else CPU_TREE_BUDGET
+    """The heads' tree budget for ``device``: EAGLE-2-sized on a GPU, 8 nodes on a CPU with native
+    bf16, a 3-token chain on other CPUs."""
+    if torch.device(device).type == "cuda":
+        return GPU_TREE_BUDGET
+    from specdec.infer.dtypes import native_bf16  # light: torch only
+
+    return CPU_TREE_BUDGET if native_bf16("cpu") else CPU_CHAIN_BUDGET
 
 
 @dataclass

@@ -76,6 +76,18 @@ def test_budget_constants():
         TreeBudget(max_nodes=4, max_depth=0, topk=2)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_default_budget_is_a_chain_on_cpus_without_native_bf16(monkeypatch, native):
+    from specdec.heads import tree
+    from specdec.infer import dtypes
+
+    monkeypatch.setattr(dtypes, "native_bf16", lambda device="cpu": native)
+    assert tree.default_budget("cuda") == GPU_TREE_BUDGET
+    got = tree.default_budget("cpu")
+    assert got == (CPU_TREE_BUDGET if native else tree.CPU_CHAIN_BUDGET)
+    assert native or got.topk == 1 and got.max_nodes == got.max_depth  # a chain
+
+
 def _table(V: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(V, V, generator=g) * 2).log_softmax(-1)  # next-token log-probs by token
