@@ -65,6 +65,7 @@ class ThroughputGate:
         self.warmup_explore = warmup_explore or explore
         self.leader: dict = {}  # regime -> the arm played outside exploration runs
         self.pairs: dict[tuple, list] = {}  # (regime, challenger) -> decayed [n, Σ log ratio, Σ log ratio²]
+        self.priors: dict = {}  # regime -> (arm -> log speed, weight, spread) it was seeded with
         self.tokens: dict[tuple, float] = {}  # (regime, arm) -> decayed sums, for rate()
         self.seconds: dict[tuple, float] = {}
         self.samples: dict[tuple, int] = {}
@@ -88,7 +89,7 @@ class ThroughputGate:
         None while too few pairs say too little."""
         if arm == self.leader.get(regime):
             return 0.0
-        n, s, q = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
+        n, s, q = self._pair_stats(regime, arm)
         if n <= 0:
             return None
         mean = s / n
@@ -174,12 +175,43 @@ class ThroughputGate:
                 self.pairs[k] = [n, s - n * m, q - 2 * m * s + n * m * m]  # Σ(x - m), Σ(x - m)²
         self.pairs[(regime, old)] = [n1, -s1, q1]
 
+    def speeds(self, regime, reference) -> dict:
+        """Each arm's mean log tokens/s relative to ``reference`` from the regime's pairs, however
+        few (arms no pair links to ``reference`` are left out; {}: nothing links it)."""
+        lead = self.leader.get(regime)
+        vs_lead = {lead: 0.0} if lead is not None else {}
+        for arm in self.arms:
+            n, s, _ = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
+            if arm != lead and n > 0:
+                vs_lead[arm] = s / n
+        if reference not in vs_lead:
+            return {}
+        return {a: x - vs_lead[reference] for a, x in vs_lead.items()}
+
+    def seed(self, regime, speeds: dict, weight: float, spread: float = 0.0) -> None:
+        """Start a new regime from a prior: ``speeds`` (arm -> mean log tokens/s, any common
+        reference) count as ``weight`` pairs of log-ratio std ``spread`` beside the regime's own
+        pairs, and the fastest of them leads. Its own pairs outweigh the prior as they come in."""
+        self.priors[regime] = (dict(speeds), float(weight), float(spread))
+        self._set_leader(regime, max(speeds, key=speeds.get))
+
+    def _pair_stats(self, regime, arm) -> tuple:
+        """[n, Σ log ratio, Σ log ratio²] of an arm against the leader: its own pairs plus the
+        regime's prior, if seeded and it rates both."""
+        n, s, q = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
+        speeds, w, spread = self.priors.get(regime, ({}, 0.0, 0.0))
+        lead = self.leader.get(regime)
+        if arm in speeds and lead in speeds:
+            m = speeds[arm] - speeds[lead]
+            n, s, q = n + w, s + w * m, q + w * (m * m + spread * spread)
+        return n, s, q
+
     def forget(self, regime) -> None:
         """Drop everything measured in a regime (one that will not come back)."""
         for table in (self.pairs, self.tokens, self.seconds, self.samples):
             for key in [k for k in table if k[0] == regime]:
                 del table[key]
-        for table in (self.leader, self.decisions, self._recent):
+        for table in (self.leader, self.decisions, self._recent, self.priors):
             table.pop(regime, None)
         if self._trial is not None and self._trial.regime == regime:
             self._trial = None

@@ -444,3 +444,38 @@ def test_goodput_starts_a_bigger_batch_plain_where_a_smaller_one_decodes_plainly
     ctl.policy.gate.leader[3] = "plain"  # batch 8-15 measured plain fastest
     assert max(b.max_nodes for b in ctl.plan(rids).values()) == 0
     assert ctl.policy.gate.leader[5] == "plain"
+
+
+def test_goodput_starts_a_request_decoding_alone_from_the_ones_before_it():
+    """Requests decoding alone seed the next one's gate: after four on which the full tree decodes
+    1.25x faster than plain (the models' small plan 1.1x), a new request explores the other arms
+    at the slow pace from its first step (without the prior it explores 3 steps in 8 until its own
+    pairs are in); a request where plain decoding is faster still turns plain on its own pairs."""
+    cheap = CostPrior(a=0.030, b=0.0, c=0.0001)
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
+    pol = ctl.policy
+    rate = {0: 100.0, 2: 110.0, 8: 125.0}  # tokens/s of each arm where drafts are accepted
+
+    def run(rid, easy, steps):
+        played = []
+        for _ in range(steps):
+            nodes = ctl.plan([rid])[rid].max_nodes
+            played.append(nodes)
+            accepted = {0: 0, 2: 1, 8: 2}[nodes] if easy else 0
+            seconds = ({0: 0, 2: 1, 8: 2}[nodes] + 1) / rate[nodes]
+            ctl.observe(StepObservation(batch_size=1, tokens=1 + nodes, seconds=seconds, decode_seconds=seconds,
+                                        accepted={rid: accepted}))
+        ctl.release(rid)
+        return played
+
+    first = run("r0", True, 64)
+    assert first.count(8) <= 48  # learnt from scratch: 3 steps in 8 explore
+    for i in range(1, 4):
+        run(f"r{i}", True, 64)
+    speeds, weight, _ = pol._alone_prior()
+    assert speeds["full"] == pytest.approx(math.log(1.25), abs=0.05)
+    assert speeds["model"] == pytest.approx(math.log(1.10), abs=0.05)
+    seeded = run("r4", True, 64)
+    assert seeded.count(8) >= 58  # at the slow pace from the start
+    hard = run("hard", False, 400)  # nothing accepted: plain is 2-2.5x faster for this one
+    assert hard[0] == 8 and hard[-100:].count(0) >= 80

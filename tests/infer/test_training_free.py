@@ -493,6 +493,24 @@ def test_throughput_gate_compares_arms_on_the_same_requests(seed):
     assert arms[-1000:].count("full") >= 900  # the rest: exploration runs
 
 
+def test_throughput_gate_seeded_regime_trusts_its_prior_until_its_own_pairs_disagree():
+    """A regime seeded with a prior leads with its fastest arm and trusts the others' standing at
+    once (no warm-up exploration); ``speeds`` reports the regime's own pairs only; a challenger
+    its own pairs measure faster takes the lead."""
+    gate = ThroughputGate(decay=0.95, min_samples=4, explore=32, run=3, clear=0.9, warmup_explore=8,
+                          arms=("plain", "model", "full"))
+    gate.seed("r", {"plain": 0.0, "model": 0.1, "full": 0.2}, weight=4)
+    assert gate.leader["r"] == "full"
+    assert gate.relative("r", "plain") == pytest.approx(np.exp(-0.2))
+    assert gate.relative("r", "model") == pytest.approx(np.exp(-0.1))
+    assert gate.speeds("r", "plain") == {}  # nothing of its own links plain to the leader yet
+    first = [gate.choose("r") for _ in range(32)]
+    assert first.count("full") >= 29  # the slow pace from the start
+    gate.pairs[("r", "plain")] = [8.0, 8 * 0.5, 8 * 0.25]  # its own pairs: plain 1.65x the full tree
+    assert gate.speeds("r", "plain") == pytest.approx({"full": -0.5, "plain": 0.0})
+    assert gate.choose("r") == "plain" and gate.leader["r"] == "plain"
+
+
 @pytest.mark.parametrize("head_pays", [False, True])
 def test_hybrid_head_gate_learns_from_paired_steps(head_pays):
     """A head costing 10 time units a step whose drafts are never accepted is switched off after
