@@ -172,7 +172,7 @@ class GoodputPolicy(Policy):
     name = "goodput"
     ARMS = ("plain", "model", "full")  # cheapest first
     PRIOR_DECAY = 0.9  # per released request, in what requests decoding alone measured
-    PRIOR_MIN = 2.0  # requests' worth of it before it seeds the next one
+    PRIOR_MIN = 2.0  # decayed weight of it before it seeds the next one (three requests: 1 + 0.9 + 0.81)
 
     def __init__(self, margin: float = 0.05, patience: int = 3, explore_every: int = 64, gate: bool = True,
                  gate_explore: int = 32):
@@ -247,7 +247,7 @@ class GoodputPolicy(Policy):
 
     def _alone_prior(self):
         """(arm -> log tokens/s vs plain, weight, spread) to seed a request decoding alone with,
-        from the requests before it (None until two have been measured). Worth as many pairs as
+        from the requests before it (None until three have been measured). Worth as many pairs as
         the gate needs to trust an arm, so the new request explores at the slow pace at once."""
         known = {a: v for a, v in self.alone_prior.items() if v[0] >= self.PRIOR_MIN}
         if not known:
