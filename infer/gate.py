@@ -65,7 +65,7 @@ class ThroughputGate:
         self.warmup_explore = warmup_explore or explore
         self.leader: dict = {}  # regime -> the arm played outside exploration runs
         self.pairs: dict[tuple, list] = {}  # (regime, challenger) -> decayed [n, Σ log ratio, Σ log ratio²]
-        self.priors: dict = {}  # regime -> (arm -> log speed, weight, spread) it was seeded with
+        self.priors: dict = {}  # regime -> (arm -> log speed, weight) it was seeded with
         self.tokens: dict[tuple, float] = {}  # (regime, arm) -> decayed sums, for rate()
         self.seconds: dict[tuple, float] = {}
         self.samples: dict[tuple, int] = {}
@@ -188,22 +188,22 @@ class ThroughputGate:
             return {}
         return {a: x - vs_lead[reference] for a, x in vs_lead.items()}
 
-    def seed(self, regime, speeds: dict, weight: float, spread: float = 0.0) -> None:
+    def seed(self, regime, speeds: dict, weight: float) -> None:
         """Start a new regime from a prior: ``speeds`` (arm -> mean log tokens/s, any common
-        reference) count as ``weight`` pairs of log-ratio std ``spread`` beside the regime's own
-        pairs, and the fastest of them leads. Its own pairs outweigh the prior as they come in."""
-        self.priors[regime] = (dict(speeds), float(weight), float(spread))
+        reference) count as ``weight`` pairs beside the regime's own pairs, and the fastest of
+        them leads. Its own pairs outweigh the prior as they come in."""
+        self.priors[regime] = (dict(speeds), float(weight))
         self._set_leader(regime, max(speeds, key=speeds.get))
 
     def _pair_stats(self, regime, arm) -> tuple:
         """[n, Σ log ratio, Σ log ratio²] of an arm against the leader: its own pairs plus the
         regime's prior, if seeded and it rates both."""
         n, s, q = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
-        speeds, w, spread = self.priors.get(regime, ({}, 0.0, 0.0))
+        speeds, w = self.priors.get(regime, ({}, 0.0))
         lead = self.leader.get(regime)
         if arm in speeds and lead in speeds:
             m = speeds[arm] - speeds[lead]
-            n, s, q = n + w, s + w * m, q + w * (m * m + spread * spread)
+            n, s, q = n + w, s + w * m, q + w * m * m
         return n, s, q
 
     def forget(self, regime) -> None:

@@ -186,7 +186,7 @@ class GoodputPolicy(Policy):
         self.gate = ThroughputGate(decay=0.95, min_samples=4, explore=gate_explore, run=3, arms=self.ARMS,
                                    clear=0.9, warmup_explore=max(gate_explore // 4, 4)) if gate else None
         self.current: dict = {}
-        # Requests decoding alone, measured so far: arm -> decayed [n, Σx, Σx²] of x = log tokens/s
+        # Requests decoding alone, measured so far: arm -> decayed [n, Σx] of x = log tokens/s
         # relative to plain decoding, one x per released request (the last ~10 count).
         self.alone_prior: dict = {}
         self._streak = 0
@@ -246,15 +246,13 @@ class GoodputPolicy(Policy):
         return plan if plan is not None else self._speculating_plan(ctl, rids)[0]
 
     def _alone_prior(self):
-        """(arm -> log tokens/s vs plain, weight, spread) to seed a request decoding alone with,
-        from the requests before it (None until three have been measured). Worth as many pairs as
-        the gate needs to trust an arm, so the new request explores at the slow pace at once."""
-        known = {a: v for a, v in self.alone_prior.items() if v[0] >= self.PRIOR_MIN}
+        """(arm -> log tokens/s vs plain, weight) to seed a request decoding alone with, from the
+        requests before it (None until three have been measured). Worth as many pairs as the gate
+        needs to trust an arm, so the new request explores at the slow pace at once."""
+        known = {a: s / n for a, (n, s) in self.alone_prior.items() if n >= self.PRIOR_MIN}
         if not known:
             return None
-        speeds = {self.ARMS[0]: 0.0, **{a: s / n for a, (n, s, _) in known.items()}}
-        spread = max(math.sqrt(max(q / n - (s / n) ** 2, 0.0)) for n, s, q in known.values())
-        return speeds, self.gate.min_samples, spread
+        return {self.ARMS[0]: 0.0, **known}, self.gate.min_samples
 
     def release(self, rid) -> None:
         """A request ended: what it measured decoding alone joins the prior of the next ones."""
@@ -268,15 +266,15 @@ class GoodputPolicy(Policy):
         if plain in own:
             shift = -own[plain]
         else:  # linked to plain only through the prior: only the challengers it measured count
-            n, s, _ = self.alone_prior.get(lead, (0.0, 0.0, 0.0))
+            n, s = self.alone_prior.get(lead, (0.0, 0.0))
             shift = s / n if n > 0 else None
             own.pop(lead, None)
         if shift is not None:
             d = self.PRIOR_DECAY
             for arm, x in own.items():
                 if arm != plain:
-                    n, s, q = self.alone_prior.get(arm, (0.0, 0.0, 0.0))
-                    self.alone_prior[arm] = [d * n + 1.0, d * s + x + shift, d * q + (x + shift) ** 2]
+                    n, s = self.alone_prior.get(arm, (0.0, 0.0))
+                    self.alone_prior[arm] = [d * n + 1.0, d * s + x + shift]
         self.gate.forget(regime)
 
     def _leader_below(self, bucket: int):

@@ -472,7 +472,7 @@ def test_goodput_starts_a_request_decoding_alone_from_the_ones_before_it():
     assert first.count(8) <= 48  # learnt from scratch: 3 steps in 8 explore
     for i in range(1, 4):
         run(f"r{i}", True, 64)
-    speeds, weight, _ = pol._alone_prior()
+    speeds, weight = pol._alone_prior()
     assert speeds["full"] == pytest.approx(math.log(1.25), abs=0.05)
     assert speeds["model"] == pytest.approx(math.log(1.10), abs=0.05)
     seeded = run("r4", True, 64)
