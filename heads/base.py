@@ -237,13 +237,19 @@ class DraftHead(nn.Module):
         return {"head_type": self.head_type(), "format": HEAD_FORMAT,
                 **dataclasses.asdict(self.config), "target": self.target_identity}
 
-    def save_pretrained(self, out_dir) -> Path:
+    def save_pretrained(self, out_dir, overrides: dict[str, Tensor] | None = None) -> Path:
+        """Write config.json + model.safetensors; ``overrides`` (name -> tensor) are written in
+        place of those weights (the trainer's exact values of parameters it kept frozen)."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.saved_state_dict().items()}
+        unknown = sorted(set(overrides or {}) - set(tensors))
+        if unknown:
+            raise KeyError(f"overrides name weights this head does not save: {unknown}")
+        tensors.update((k, v.detach().cpu().contiguous()) for k, v in (overrides or {}).items())
         save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": HEAD_FORMAT})
         if self.token_counts is not None:
             save_file({"token_counts": self.token_counts.contiguous()}, str(out / TOKEN_COUNTS_FILE))

@@ -181,6 +181,11 @@ class Trainer:
         self.plan = GlobalBatchPlan(len(train_source), o.micro_batch_size, o.grad_accum,
                                     dist.world_size, dist.rank, o.seed, lengths=train_source.lengths())
         self.total_steps, self.warmup_steps = schedule_steps(recipe, self.plan.steps_per_epoch)
+        # bf16 training casts the whole module, the parameters optim.freeze keeps included: their
+        # exact starting values are saved instead, so a frozen LM head stays the target's rows
+        saved = head.saved_state_dict() if self.bf16 else {}
+        self.frozen_start = {n: p.detach().to("cpu", copy=True) for n, p in head.named_parameters()
+                             if not p.requires_grad and n in saved}
         head.to(dist.device)
         _, self.loss_kwargs = split_loss(type(head), recipe.loss)
         module = _HeadLoss(head, self.loss_kwargs)
@@ -317,7 +322,7 @@ class Trainer:
     def _write_final(self, final: Path, result: EvalResult | None) -> None:
         if not self.dist.is_main:
             return
-        self.head.save_pretrained(final)
+        self.head.save_pretrained(final, overrides=self.frozen_start)
         resolved = self.out / "recipe.resolved.yaml"
         if resolved.exists():
             (final / "recipe.yaml").write_text(resolved.read_text())
