@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import attention_cpu, tree_attention_mask
+from . import attention_cpu, glue_cpu, tree_attention_mask
 from .linear import DecodeLinear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -65,8 +65,21 @@ class _Norm:
         self.unit_offset = unit_offset
         w = module.weight.detach()
         self.weight = (1.0 + w.float()).to(device) if unit_offset else w.to(device=device, dtype=dtype)
+        # glue_cpu's kernels compute HF's Llama form (Gemma's keeps PyTorch)
+        self.fused = not unit_offset and glue_cpu.available(dtype, device)
+
+    def add(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(x + delta, this norm of it); delta None: (x, norm(x)). One kernel pass where fused."""
+        if delta is None:
+            return x, self(x)
+        if self.fused and x.is_contiguous() and delta.is_contiguous():
+            return glue_cpu.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.fused and x.is_contiguous():  # (Qwen3's per-head q/k norms get strided views)
+            return glue_cpu.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -119,6 +132,9 @@ class _Layer:
         self.gate_up = DecodeLinear(*_fuse([mlp.gate_proj, mlp.up_proj], dtype, device))
         self.down = DecodeLinear(_cast(mlp.down_proj.weight, dtype, device), _cast(mlp.down_proj.bias, dtype, device))
         self.act = mlp.act_fn
+        fused = glue_cpu.available(dtype, device)
+        self.fused_silu = fused and type(self.act).__name__ in ("SiLU", "SiLUActivation")
+        self.fused_rope = fused and q_norm is None  # Qwen3 normalises q and k per head before RoPE
         self.group = self.n_heads // self.n_kv  # query heads per kv head
         self.splits = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
 
@@ -178,10 +194,13 @@ class LeanCausalLM:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         self._rope_table(max(access.base_list) + n)  # bounds every position, no device sync
-        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, N, 1, hd]
+        cos, sin = self.cos[positions], self.sin[positions]                  # [B, N, hd]
         # (window, group) -> None (causal), the CPU kernel's mask, or one per read group; built once
         masks: dict[tuple, Tensor | list | None] = {}
         keep = {}
+        # Each layer hands back its residual stream and its MLP output unadded: the add is done
+        # with the next norm (one kernel pass where glue_cpu serves).
+        x, h = self.layers[0].ln1.add(x, None)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 keep[i] = x
@@ -200,24 +219,33 @@ class LeanCausalLM:
                 else:
                     masks[key] = [additive if g.rows is None else additive[g.rows, :, :, :g.length]
                                   for g in access.read_groups()]
-            x = self._layer(i, layer, x, cos, sin, access, masks[key])
-        x = self.norm(x)                                                     # [B, N, H] post-norm
+            x, mlp_out = self._layer(i, layer, x, h, cos, sin, access, masks[key])
+            after = self.layers[i + 1].ln1 if i + 1 < self.num_layers else self.norm
+            x, h = after.add(x, mlp_out)
+        x = h                                                                # [B, N, H] post-norm
         keep[self.num_layers] = x  # HF's hidden_states[-1] is the post-norm output
         rows = x if logits_rows is None else x[torch.arange(bsz, device=x.device), logits_rows]
         logits = self.lm_head(rows)                                          # [B, N, V] or [B, V]
         aux = torch.cat([keep[i] for i in aux_layers], dim=-1) if aux_layers else None
         return logits, x, aux
 
-    def _layer(self, i: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, access,
-               masks: Tensor | list | None) -> Tensor:
+    def _layer(self, i: int, layer: _Layer, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, access,
+               masks: Tensor | list | None) -> tuple[Tensor, Tensor]:
+        """Layer i on the residual stream x and its input norm h = ln1(x): (x after attention,
+        the MLP's output), the latter not yet added to x."""
         bsz, n, _ = x.shape
-        q, k, v = layer.qkv(layer.ln1(x)).split(layer.splits, dim=-1)
+        qkv = layer.qkv(h)
+        fused_rope = layer.fused_rope and qkv.is_contiguous()
+        if fused_rope:  # RoPE on the q and k heads in place, one kernel pass
+            glue_cpu.rope_(qkv, cos, sin, layer.n_heads + layer.n_kv)
+        q, k, v = qkv.split(layer.splits, dim=-1)
         q = q.view(bsz, n, layer.n_heads, layer.head_dim)
         k = k.view(bsz, n, layer.n_kv, layer.head_dim)
         v = v.view(bsz, n, layer.n_kv, layer.head_dim)
-        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if not fused_rope:
+            if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = _rotate(q, cos[:, :, None], sin[:, :, None]), _rotate(k, cos[:, :, None], sin[:, :, None])
         access.write(i, k, v)
         # GQA by folding each kv head's query group into the query axis: head h = kv*g + j reads
         # kv head h // g (HF's repeat_kv), so [B, h, N, hd] -> [B, kv, g*N, hd]. Same maths as
@@ -235,9 +263,12 @@ class LeanCausalLM:
             else:
                 out = self._grouped_attention(i, layer, q, access, masks)
         out = out.view(bsz, layer.n_heads, n, layer.head_dim).transpose(1, 2).reshape(bsz, n, -1)
-        x = x + layer.o(out)
-        gate, up = layer.gate_up(layer.ln2(x)).chunk(2, dim=-1)
-        return x + layer.down(layer.act(gate) * up)
+        x, h = layer.ln2.add(x, layer.o(out))
+        gate_up = layer.gate_up(h)
+        if layer.fused_silu:
+            return x, layer.down(glue_cpu.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x, layer.down(layer.act(gate) * up)
 
     @staticmethod
     def _grouped_attention(i: int, layer: _Layer, q: Tensor, access, masks: list[Tensor]) -> Tensor:
