@@ -65,7 +65,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return _ops().silu_mul(gate_up)
 
 
-# -- what each op computes, in PyTorch (the tests hold the kernels to these) ---------------------
+# -- what each op computes, in PyTorch (the tests hold the kernels to these; the decoder's fallback) --
 def reference_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -76,13 +76,17 @@ def reference_add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float)
     return s, reference_rms_norm(s, weight, eps)
 
 
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on x [B, N, heads, head_dim] with cos/sin [B, N, head_dim] (HF's rotate_half form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
 def reference_rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> None:
     b, n, _ = qkv.shape
-    d = cos.shape[-1]
-    x = qkv[..., :heads * d].view(b, n, heads, d)
-    c, s = cos[:, :, None], sin[:, :, None]
-    rotated = torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1)
-    x.copy_(x * c + rotated * s)
+    x = qkv[..., :heads * cos.shape[-1]].view(b, n, heads, -1)
+    x.copy_(rotate(x, cos, sin))
 
 
 def reference_silu_mul(gate_up: Tensor) -> Tensor:

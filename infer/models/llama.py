@@ -80,11 +80,10 @@ class _Norm:
     def __call__(self, x: Tensor) -> Tensor:
         if self.fused and x.is_contiguous():  # (Qwen3's per-head q/k norms get strided views)
             return glue_cpu.rms_norm(x, self.weight, self.eps)
+        if not self.unit_offset:
+            return glue_cpu.reference_rms_norm(x, self.weight, self.eps)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (xf * self.weight).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
 def _fuse(linears, dtype, device) -> tuple[Tensor, Tensor | None]:
@@ -137,13 +136,6 @@ class _Layer:
         self.fused_rope = fused and q_norm is None  # Qwen3 normalises q and k per head before RoPE
         self.group = self.n_heads // self.n_kv  # query heads per kv head
         self.splits = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on x [B, N, heads, head_dim] with cos/sin [B, N, 1, head_dim] (HF's rotate_half form)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LeanCausalLM:
@@ -245,7 +237,7 @@ class LeanCausalLM:
         if not fused_rope:
             if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rotate(q, cos[:, :, None], sin[:, :, None]), _rotate(k, cos[:, :, None], sin[:, :, None])
+            q, k = glue_cpu.rotate(q, cos, sin), glue_cpu.rotate(k, cos, sin)
         access.write(i, k, v)
         # GQA by folding each kv head's query group into the query axis: head h = kv*g + j reads
         # kv head h // g (HF's repeat_kv), so [B, h, N, hd] -> [B, kv, g*N, hd]. Same maths as
