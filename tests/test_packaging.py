@@ -29,7 +29,8 @@ def test_wheel_has_only_the_specdec_namespace(wheel):
     # The three packages, the recipes and the CPU kernels' sources (as package data) are inside it.
     for must in ("specdec/heads/__init__.py", "specdec/train/__init__.py",
                  "specdec/infer/__init__.py", "specdec/recipes/smollm2-135m/eagle3.yaml",
-                 "specdec/infer/models/attention_cpu.cpp", "specdec/infer/models/glue_cpu.cpp"):
+                 "specdec/infer/models/attention_cpu.cpp", "specdec/infer/models/glue_cpu.cpp",
+                 "specdec/infer/models/linear_bf16_cpu.cpp"):
         assert must in names, must
     assert not any(n.startswith("specdec/__init__") for n in names), "specdec must stay a namespace"
 

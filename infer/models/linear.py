@@ -13,7 +13,11 @@ between speculative and plain decoding stands on the same ground as before. bf16
 where the CPU computes it natively (AVX512-BF16). Elsewhere on an AVX2 CPU bf16 runs in
 ``linear_cpu.cpp`` from two rows on (PyTorch's emulated bf16 matmul there grew with the rows:
 a 16-token verification cost 5.7-7x a decode step, 2.2x with the kernel; a single row keeps
-PyTorch's GEMV, the faster one there). Other devices keep ``F.linear``.
+PyTorch's GEMV, the faster one there). On a CPU with AVX512-BF16, bf16 runs in
+``linear_bf16_cpu.cpp`` up to ``NATIVE_MAX_ROWS`` rows (decoding, trees, batched steps): oneDNN's
+call overhead (~18 us, 121 calls a SmolLM2 step) and its read rate cost a step ~30% more there,
+and the kernel gives each row the same bits whatever the number of rows beside it. Prefill-sized
+calls keep ``F.linear``. Other devices keep ``F.linear``.
 """
 from __future__ import annotations
 
@@ -43,6 +47,32 @@ BF16_KERNEL = CppKernel("specdec_cpu_linear", Path(__file__).with_name("linear_c
                         "bf16 linear", "SPECDEC_CPU_LINEAR", _emulated_bf16_reason)
 
 
+def _native_bf16_reason() -> str | None:
+    """Why ``linear_bf16_cpu.cpp`` is not for this CPU: it needs AVX512-BF16."""
+    return None if torch.cpu._is_avx512_bf16_supported() else "the CPU lacks AVX512-BF16"
+
+
+# bf16 weights on a CPU with AVX512-BF16 (see linear_bf16_cpu.cpp); SPECDEC_CPU_LINEAR=0: oneDNN.
+NATIVE_BF16_KERNEL = CppKernel("specdec_cpu_linear_bf16", Path(__file__).with_name("linear_bf16_cpu.cpp"),
+                               ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+                               "specdec_cpu_linear_bf16.linear", "native bf16 linear", "SPECDEC_CPU_LINEAR",
+                               _native_bf16_reason)
+# Rows up to which the kernel measured at least oneDNN's speed (SmolLM2 shapes, 2-core EPYC: within
+# +-15% from 64 to 512 rows, 1.2-4x faster below 32); larger calls (prefill chunks) take F.linear.
+NATIVE_MAX_ROWS = 256
+GROUP = 64  # output rows per packed group (kGroup in the kernel)
+
+
+def pack_rows(weight: Tensor) -> Tensor:
+    """``weight`` [N, K] (K even) in the kernel's layout [ceil(N/64), K/2, 64, 2]: for each group
+    of 64 output rows, the pair (k, k+1) of all 64 rows in one run; padding rows are zero."""
+    n, k = weight.shape
+    groups = -(-n // GROUP)
+    padded = weight.new_zeros(groups * GROUP, k)
+    padded[:n] = weight
+    return padded.view(groups, GROUP, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 def _can_pack(weight: Tensor) -> bool:
     native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16("cpu"))
     return (weight.device.type == "cpu" and native and torch.backends.mkldnn.is_available()
@@ -56,7 +86,11 @@ class DecodeLinear:
         self.weight, self.bias = weight, bias                                # [out, in], [out]
         self.packed = None
         self.kernel = None  # linear_cpu.cpp, for bf16 where the CPU emulates it
-        if _can_pack(weight):
+        self.native = None  # linear_bf16_cpu.cpp: (op, weight in its layout, fp32 bias)
+        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                and weight.shape[1] % 2 == 0 and NATIVE_BF16_KERNEL.get() is not None):
+            self.native = (NATIVE_BF16_KERNEL.get(), pack_rows(weight), None if bias is None else bias.float())
+        elif _can_pack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             except RuntimeError:  # an oneDNN build without this layout: the plain call works
@@ -65,6 +99,10 @@ class DecodeLinear:
             self.kernel = BF16_KERNEL.get()
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.native is not None and x.dtype == torch.bfloat16 and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]:
+            op, packed, bias = self.native
+            y = op(x.reshape(-1, x.shape[-1]), packed, bias, self.weight.shape[0])  # [rows, out]
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # one row (a batch-1 decode step): PyTorch's bf16 GEMV measured ~13% faster a step than
@@ -73,6 +111,12 @@ class DecodeLinear:
             y = self.kernel(x.reshape(-1, x.shape[-1]), self.weight, self.bias)   # [rows, out]
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
+
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether a CPU fast path (a kernel or oneDNN's packed weight) serves this layer."""
+        return self.native is not None or self.packed is not None or self.kernel is not None
 
 
 def pack_linears(module: torch.nn.Module, skip_out_features: int | None = None) -> int:
@@ -85,7 +129,7 @@ def pack_linears(module: torch.nn.Module, skip_out_features: int | None = None) 
         if not isinstance(m, torch.nn.Linear) or m.out_features == skip_out_features:
             continue
         fast = DecodeLinear(m.weight.detach(), None if m.bias is None else m.bias.detach())
-        if fast.packed is not None or fast.kernel is not None:  # GPU layers keep their own forward
+        if fast.accelerated:  # GPU layers keep their own forward
             m.forward = fast  # an instance attribute: nn.Module.__call__ dispatches to it
             n += 1
     return n

@@ -3,14 +3,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.infer.models.linear import DecodeLinear, _can_pack
+from specdec.infer.models.linear import NATIVE_BF16_KERNEL, DecodeLinear, _can_pack
 
 
 @pytest.mark.skipif(not _can_pack(torch.zeros(1, dtype=torch.bfloat16)),
                     reason="needs a CPU with oneDNN bf16 (AVX512-BF16)")
 @pytest.mark.parametrize("rows", [(1, 1), (2, 7), (3, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_bf16_matches_f_linear(rows, with_bias):
+def test_packed_bf16_matches_f_linear(rows, with_bias, monkeypatch):
+    """Where the native kernel (below) cannot be had, oneDNN's packed weight serves bf16."""
+    monkeypatch.setattr(NATIVE_BF16_KERNEL, "get", lambda: None)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).bfloat16()                  # [out, in]
     b = torch.randn(96, generator=g).bfloat16() if with_bias else None
@@ -150,3 +152,78 @@ def test_cpp_kernel_switched_off_by_its_environment_variable(monkeypatch, tmp_pa
                             "SPECDEC_TEST_KERNEL", lambda: None)
         assert missing.get() is None
     assert missing.unavailable_reason()
+
+
+# ---------------------------------------------------------------------- linear_bf16_cpu.cpp
+
+from specdec.infer.models.linear import NATIVE_MAX_ROWS, pack_rows  # noqa: E402
+
+needs_native = pytest.mark.skipif(NATIVE_BF16_KERNEL.unavailable_reason() is not None,
+                                  reason=f"no native bf16 kernel here: {NATIVE_BF16_KERNEL.unavailable_reason()}")
+
+
+def test_pack_rows_groups_64_rows_by_pairs_of_columns():
+    w = torch.arange(70 * 6, dtype=torch.float32).view(70, 6).bfloat16()
+    packed = pack_rows(w)
+    assert packed.shape == (2, 3, 64, 2)
+    for n, k in [(0, 0), (5, 3), (63, 5), (64, 0), (69, 4)]:
+        assert packed[n // 64, k // 2, n % 64, k % 2] == w[n, k]
+    assert not packed[1, :, 6:].any()  # rows 70-127 pad the last group with zeros
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 64, 96), (7, 576, 1000), (13, 32, 5), (40, 130, 129), (6, 1536, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_kernel_matches_fp32_maths(shape, with_bias):
+    """One rounding of an fp32 sum, for row counts past tiles of 6 and outputs past groups of 64
+    and vectors of 16."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    lin = DecodeLinear(w, b)
+    assert lin.native is not None and lin.packed is None
+    got = lin(x)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+
+
+@needs_native
+def test_native_kernel_gives_each_row_the_same_bits_at_any_batch():
+    """Verifying a tree (many rows) computes exactly what decoding one token (one row) computes."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(23, 200, generator=g).bfloat16(), torch.randn(150, 200, generator=g).bfloat16()
+    lin = DecodeLinear(w, torch.randn(150, generator=g).bfloat16())
+    together = lin(x)
+    assert torch.equal(together, torch.cat([lin(x[i:i + 1]) for i in range(len(x))]))
+    assert torch.equal(together[5:12], lin(x[5:12]))
+
+
+@needs_native
+def test_decode_linear_sends_prefill_sized_calls_to_f_linear():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 40, generator=g).bfloat16()
+    lin = DecodeLinear(w)
+    op, packed, bias = lin.native
+    calls = []
+    lin.native = (lambda *a: calls.append(a[0].shape) or op(*a), packed, bias)
+    small, big = torch.randn(2, 3, 40, generator=g).bfloat16(), torch.randn(NATIVE_MAX_ROWS + 1, 40, generator=g).bfloat16()
+    assert lin(small).shape == (2, 3, 16) and calls == [(6, 40)]
+    assert torch.equal(lin(big), F.linear(big, w)) and len(calls) == 1
+    assert DecodeLinear(torch.randn(16, 41).bfloat16()).native is None  # an odd width has no pairs
+
+
+@needs_native
+def test_native_kernel_names_bad_input():
+    op = NATIVE_BF16_KERNEL.get()
+    w = torch.randn(70, 8).bfloat16()
+    packed, x = pack_rows(w), torch.randn(2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        op(x.float(), packed, None, 70)
+    with pytest.raises(RuntimeError, match="x has 6 columns, the packed weight 8"):
+        op(x[:, :6], packed, None, 70)
+    with pytest.raises(RuntimeError, match="200 outputs do not fit the packed weight's 2 groups"):
+        op(x, packed, None, 200)
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[70\]"):
+        op(x, packed, torch.zeros(70).bfloat16(), 70)
