@@ -61,8 +61,22 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's convers
   return uint16_t(u >> 16);
 }
 
+// The sum of 16 lanes in one fixed order (upper 8 + lower 8, then 4 + 4, 2 + 2, 1 + 1), written
+// out rather than left to a compiler's reduce so that the gathered score path below repeats it
+// lane for lane.
+inline float hsum16(__m512 a) {
+  const __m256 h8 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)),
+                                  _mm512_castps512_ps256(a));
+  const __m128 h4 = _mm_add_ps(_mm256_extractf128_ps(h8, 1), _mm256_castps256_ps128(h8));
+  const __m128 h2 = _mm_add_ps(_mm_movehl_ps(h4, h4), h4);
+  return _mm_cvtss_f32(_mm_add_ss(_mm_shuffle_ps(h2, h2, 1), h2));
+}
+
 // softmax over one row of scores in place, after adding the row's bf16 mask (may be null).
-void softmax_row(float* s, const uint16_t* mask, int64_t L) {
+// A key masked with -inf is absent: the normaliser sums the present keys in key order, each in
+// lane (its rank among them) % 16, so a tree node whose ancestors sit apart in the cache sums
+// exactly what the same token decoded alone sums over its consecutive keys (`kept`: L floats).
+void softmax_row(float* s, const uint16_t* mask, int64_t L, float* kept) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t l = 0; l < L; l += 16) {
     const __mmask16 m = tail_mask(L - l);
@@ -75,14 +89,24 @@ void softmax_row(float* s, const uint16_t* mask, int64_t L) {
     mx = _mm512_mask_max_ps(mx, m, mx, x);
   }
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  const __m512 absent = _mm512_set1_ps(-INFINITY);
   __m512 sum = _mm512_setzero_ps();
+  int64_t n = 0;
   for (int64_t l = 0; l < L; l += 16) {
     const __mmask16 m = tail_mask(L - l);
-    __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + l), top)));
+    const __m512 x = _mm512_maskz_loadu_ps(m, s + l);
+    __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(x, top)));
     _mm512_mask_storeu_ps(s + l, m, e);
-    sum = _mm512_add_ps(sum, e);
+    if (mask == nullptr) {
+      sum = _mm512_add_ps(sum, e);
+    } else {
+      const __mmask16 present = _mm512_mask_cmp_ps_mask(m, x, absent, _CMP_NEQ_OQ);
+      _mm512_mask_compressstoreu_ps(kept + n, present, e);
+      n += __builtin_popcount(present);
+    }
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t l = 0; l < n; l += 16) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(tail_mask(n - l), kept + l));
+  const __m512 inv = _mm512_set1_ps(1.0f / hsum16(sum));
   for (int64_t l = 0; l < L; l += 16) {
     const __mmask16 m = tail_mask(L - l);
     _mm512_mask_storeu_ps(s + l, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + l), inv));
@@ -91,11 +115,41 @@ void softmax_row(float* s, const uint16_t* mask, int64_t L) {
 
 // One (sequence, kv head): R query rows (fp32, pre-scaled) against L keys whose rows are `sl`
 // elements apart. Rows go RB at a time, so their accumulators stay in registers.
+// One score per lane for RQ rows against the 16 gathered keys kt [D, 16], summed exactly as the
+// direct path sums q . k: lane i of a chunk accumulates dims i, 16 + i, ... (a product, then
+// FMAs), and the 16 partials combine in hsum16's order. Partials are paired as soon as both
+// exist (i and i + 8, then with i + 4's pair) so that few stay live.
+template <int D, int RQ>
+inline void scores16(const float* q, const float* kt, __m512 out[RQ]) {
+  constexpr int C = D / 16;
+  auto partial = [&](int i, __m512 p[RQ]) {
+    const __m512 k0 = _mm512_load_ps(kt + i * 16);
+    for (int r = 0; r < RQ; ++r) p[r] = _mm512_mul_ps(_mm512_set1_ps(q[r * D + i]), k0);
+    for (int c = 1; c < C; ++c) {
+      const __m512 kc = _mm512_load_ps(kt + (16 * c + i) * 16);
+      for (int r = 0; r < RQ; ++r) p[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + 16 * c + i]), kc, p[r]);
+    }
+  };
+  __m512 quad[4][RQ];  // quad[j] = (p[j + 12] + p[j + 4]) + (p[j + 8] + p[j])
+  for (int j = 0; j < 4; ++j) {
+    __m512 a[RQ], b[RQ], pair_lo[RQ];
+    partial(j, a);
+    partial(j + 8, b);
+    for (int r = 0; r < RQ; ++r) pair_lo[r] = _mm512_add_ps(b[r], a[r]);
+    partial(j + 4, a);
+    partial(j + 12, b);
+    for (int r = 0; r < RQ; ++r) quad[j][r] = _mm512_add_ps(_mm512_add_ps(b[r], a[r]), pair_lo[r]);
+  }
+  for (int r = 0; r < RQ; ++r)
+    out[r] = _mm512_add_ps(_mm512_add_ps(quad[1][r], quad[3][r]), _mm512_add_ps(quad[0][r], quad[2][r]));
+}
+
 // Scores for many query rows (a verified tree): 16 keys at a time are gathered into fp32 [D, 16]
-// so that each row's scores come from D broadcast FMAs with no horizontal sums.
+// so that each row's scores come from broadcast FMAs with no horizontal sums, with the same bits
+// as the direct path's (scores16).
 template <int D>
 void scores_transposed(const float* q, int64_t R, const uint16_t* k, int64_t sl, int64_t L, float* s, int64_t Lp) {
-  constexpr int RQ = 8;
+  constexpr int RQ = 4;
   alignas(64) float kt[D * 16];
   // lane j reads key j's 32-bit word at dims (d, d+1): two bf16, the lower one at the lower address
   const __m512i rows = _mm512_mullo_epi32(
@@ -110,15 +164,16 @@ void scores_transposed(const float* q, int64_t R, const uint16_t* k, int64_t sl,
       _mm512_store_ps(kt + d * 16, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
       _mm512_store_ps(kt + (d + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
     }
-    for (int64_t r0 = 0; r0 < R; r0 += RQ) {
-      const int64_t nr = std::min<int64_t>(RQ, R - r0);
+    int64_t r0 = 0;
+    for (; r0 + RQ <= R; r0 += RQ) {
       __m512 acc[RQ];
-      for (int r = 0; r < RQ; ++r) acc[r] = _mm512_setzero_ps();
-      for (int d = 0; d < D; ++d) {
-        const __m512 kv = _mm512_load_ps(kt + d * 16);
-        for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(r0 + r) * D + d]), kv, acc[r]);
-      }
-      for (int64_t r = 0; r < nr; ++r) _mm512_mask_storeu_ps(s + (r0 + r) * Lp + l0, tail_mask(nl), acc[r]);
+      scores16<D, RQ>(q + r0 * D, kt, acc);
+      for (int r = 0; r < RQ; ++r) _mm512_mask_storeu_ps(s + (r0 + r) * Lp + l0, tail_mask(nl), acc[r]);
+    }
+    for (; r0 < R; ++r0) {
+      __m512 acc[1];
+      scores16<D, 1>(q + r0 * D, kt, acc);
+      _mm512_mask_storeu_ps(s + r0 * Lp + l0, tail_mask(nl), acc[0]);
     }
   }
 }
@@ -128,7 +183,7 @@ constexpr int64_t kTransposeRows = 8;
 
 template <int D, int RB>
 void attend(const float* q, int64_t R, const uint16_t* k, const uint16_t* v, int64_t sl, int64_t L,
-            const uint16_t* mask, int64_t mask_row, float* s, int64_t Lp, uint16_t* out) {
+            const uint16_t* mask, int64_t mask_row, float* s, int64_t Lp, uint16_t* out, float* kept) {
   constexpr int C = D / 16;
   if (R > kTransposeRows) scores_transposed<D>(q, R, k, sl, L, s, Lp);
   else for (int64_t r0 = 0; r0 < R; r0 += RB) {  // scores s[r, l] = q[r] . k[l]
@@ -143,12 +198,12 @@ void attend(const float* q, int64_t R, const uint16_t* k, const uint16_t* v, int
       for (int64_t r = 0; r < nr; ++r) {
         __m512 acc = _mm512_mul_ps(qv[r][0], kf[0]);
         for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[r][c], kf[c], acc);
-        s[(r0 + r) * Lp + l] = _mm512_reduce_add_ps(acc);
+        s[(r0 + r) * Lp + l] = hsum16(acc);
       }
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    softmax_row(s + r * Lp, mask == nullptr ? nullptr : mask + r * mask_row, L);
+    softmax_row(s + r * Lp, mask == nullptr ? nullptr : mask + r * mask_row, L, kept);
   for (int64_t r0 = 0; r0 < R; r0 += RB) {  // out[r] = sum_l p[r, l] v[l]
     const int64_t nr = std::min<int64_t>(RB, R - r0);
     __m512 acc[RB][C];
@@ -225,16 +280,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t Lp = (longest + 15) / 16 * 16;
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), sl = k.stride(2);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(R * Lp);
+    std::vector<float> scores(R * Lp), kept(Lp);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / H, h = i % H, off = row_slot[b] * ks0 + h * ks1;
       const uint16_t* mrow = mp == nullptr ? nullptr : mp + b * mb + h * mh;
       if (D == 64)
         attend<64, 4>(qp + i * R * D, R, kp + off, vp + off, sl, row_len[b], mrow, mr, scores.data(), Lp,
-                      op + i * R * D);
+                      op + i * R * D, kept.data());
       else
         attend<128, 2>(qp + i * R * D, R, kp + off, vp + off, sl, row_len[b], mrow, mr, scores.data(), Lp,
-                       op + i * R * D);
+                       op + i * R * D, kept.data());
     }
   });
   return out;

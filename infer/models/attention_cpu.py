@@ -40,7 +40,7 @@ NAME = "specdec_cpu_attention"
 # 192 rows: 799 vs 870 us; a 512-token prefill chunk, 1,536 rows: 9.5 vs 8.5 ms).
 KERNEL_MAX_ROWS = 192
 # -fopenmp: without it ATen's parallel_for (over batch x kv heads) compiles to a serial loop.
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-ffp-contract=off", "-fopenmp"]
 
 
 def _cpu_reason() -> str | None:

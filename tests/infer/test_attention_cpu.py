@@ -60,6 +60,43 @@ def test_kernel_matches_sdpa(head_dim, batch, rows, max_len, masked):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("nodes", [2, 7])  # 6 query rows (the direct score path), 21 (the gathered one)
+def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_alone(head_dim, nodes):
+    """Greedy speculation in bf16 is exact only if a verified node's attention equals the plain
+    decode step's bit for bit: its ancestors sit apart in the tree's slots, hidden keys in between,
+    more query rows beside it, where plain decoding reads consecutive keys with 3 rows. A sum
+    taken in another order shows in a bf16 output only now and then, so many cases are checked."""
+    heads, group, ctx = 3, 3, 61
+    parents = [-1, 0, 0, 1, 2, 3, 3][:nodes]
+    mask = torch.full((1, 1, group * nodes, ctx + nodes), float("-inf"))
+    paths = []
+    for i in range(nodes):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, j)
+            j = parents[j]
+        paths.append(path)
+        mask[0, 0, group * i:group * (i + 1), :ctx] = 0
+        mask[0, 0, group * i:group * (i + 1), [ctx + j for j in path]] = 0
+    mask = mask.bfloat16()
+    gen = torch.Generator().manual_seed(nodes * 7 + head_dim)
+    differ = 0
+    for _ in range(30):
+        k = torch.randn(1, heads, ctx + nodes, head_dim, generator=gen).bfloat16()
+        v = torch.randn(1, heads, ctx + nodes, head_dim, generator=gen).bfloat16()
+        q = (3 * torch.randn(1, heads, group * nodes, head_dim, generator=gen)).bfloat16()  # peaked rows
+        tree = attention_cpu.attend(q, k, v, mask, head_dim ** -0.5)
+        for i, path in enumerate(paths):  # plain decoding: the context, then the path's keys in a row
+            keep = list(range(ctx)) + [ctx + j for j in path]
+            rows = slice(group * i, group * (i + 1))
+            alone = attention_cpu.attend(q[:, :, rows].contiguous(), k[:, :, keep].contiguous(),
+                                         v[:, :, keep].contiguous(), None, head_dim ** -0.5)
+            differ += int((tree[:, :, rows] != alone).sum())
+    assert differ == 0
+
+
+@needs_kernel
 def test_defaults_read_every_row_in_order_and_a_strided_view():
     """No slots/lengths: row b is cache row b with all its keys; a view of a longer cache (rows
     strided by max_len) reads only the viewed keys; a mask broadcast over batch and heads works."""
