@@ -132,6 +132,40 @@ def test_tree_verification_equals_sequential_decoding(tiny_target, impl):
                 assert int(logits[b, node].argmax()) == int(step_logits.argmax())
 
 
+def _bf16_kernels_missing() -> str | None:
+    from specdec.infer.models import attention_cpu, glue_cpu
+    from specdec.infer.models.linear import NATIVE_BF16_KERNEL
+
+    for kernel in (attention_cpu.KERNEL, glue_cpu.KERNEL, NATIVE_BF16_KERNEL):
+        if kernel.unavailable_reason() is not None:
+            return f"{kernel.what}: {kernel.unavailable_reason()}"
+    return None
+
+
+@pytest.mark.skipif(_bf16_kernels_missing() is not None,
+                    reason=f"needs the AVX512-BF16 CPU kernels ({_bf16_kernels_missing()})")
+def test_bf16_tree_verification_equals_sequential_decoding_bit_for_bit():
+    """On the CPU kernels each row gets the same bits at any row count and a tree node the bits of
+    its token decoded alone, so bf16 speculation is exact. Shown on the embedded SmolLM2 (30
+    layers: a sum taken in another order shows in its bf16 logits; the tiny targets round it away)."""
+    from specdec.infer.target import load_target
+
+    target = load_target("smollm2-135m", dtype="bfloat16")
+    runner = TargetRunner(target, max_batch=2, max_len=160, impl="lean")
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(target.vocab_size, (90,), generator=gen)
+    logits, _ = runner.prefill(0, prompt)
+    tree = random_tree(gen, int(logits.argmax()), n=13, vocab=target.vocab_size)
+    tree_logits, _ = runner.verify([0], tree, [len(prompt)])
+    parents, differ = tree.parents[0].tolist(), 0
+    for node in range(tree.num_nodes):
+        runner.prefill(1, prompt)
+        for j, on_path in enumerate(root_path(parents, node)):  # one token at a time
+            step_logits, _ = runner.prefill(1, [int(tree.tokens[0, on_path])], start=len(prompt) + j)
+        differ += int((tree_logits[0, node] != step_logits).sum())
+    assert differ == 0
+
+
 def test_read_groups_split_the_batch_by_context_length(tiny_target):
     runner = TargetRunner(tiny_target, max_batch=6, max_len=64)
     access = StepAccess(runner.cache, [4, 0, 1, 5], [40, 3, 38, 4], 2)
