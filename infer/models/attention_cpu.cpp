@@ -113,8 +113,6 @@ void softmax_row(float* s, const uint16_t* mask, int64_t L, float* kept) {
   }
 }
 
-// One (sequence, kv head): R query rows (fp32, pre-scaled) against L keys whose rows are `sl`
-// elements apart. Rows go RB at a time, so their accumulators stay in registers.
 // One score per lane for RQ rows against the 16 gathered keys kt [D, 16], summed exactly as the
 // direct path sums q . k: lane i of a chunk accumulates dims i, 16 + i, ... (a product, then
 // FMAs), and the 16 partials combine in hsum16's order. Partials are paired as soon as both
@@ -181,6 +179,8 @@ void scores_transposed(const float* q, int64_t R, const uint16_t* k, int64_t sl,
 // Beyond this many query rows the gathered score loop is faster (2-core AVX-512 machine).
 constexpr int64_t kTransposeRows = 8;
 
+// One (sequence, kv head): R query rows (fp32, pre-scaled) against L keys whose rows are `sl`
+// elements apart. Rows go RB at a time, so their accumulators stay in registers.
 template <int D, int RB>
 void attend(const float* q, int64_t R, const uint16_t* k, const uint16_t* v, int64_t sl, int64_t L,
             const uint16_t* mask, int64_t mask_row, float* s, int64_t Lp, uint16_t* out, float* kept) {

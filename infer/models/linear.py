@@ -112,7 +112,6 @@ class DecodeLinear:
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
-
     @property
     def accelerated(self) -> bool:
         """Whether a CPU fast path (a kernel or oneDNN's packed weight) serves this layer."""
