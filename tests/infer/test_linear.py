@@ -77,6 +77,21 @@ def test_pack_linears_leaves_the_vocabulary_sized_layers_to_the_drafter():
 
 # ---------------------------------------------------------------------------- linear_cpu.cpp
 
+def random_linear(shape, with_bias):
+    """bf16 x [m, k], w [n, k] and an optional bias [n] for a kernel test, seeded by the shape."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    return x, w, torch.randn(n, generator=g).bfloat16() if with_bias else None
+
+
+def assert_one_rounding(got, x, w, b):
+    """bf16 [m, n] within one rounding of the fp32 sum."""
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+
+
 from specdec.infer.models.linear import BF16_KERNEL  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(BF16_KERNEL.unavailable_reason() is not None,
@@ -89,14 +104,8 @@ needs_kernel = pytest.mark.skipif(BF16_KERNEL.unavailable_reason() is not None,
 def test_bf16_kernel_matches_fp32_maths(shape, with_bias):
     """One rounding of an fp32 sum: within bf16's half-ulp of the exact product, for any M, K
     (tails past multiples of 8) and N (tails past tiles of 4)."""
-    m, k, n = shape
-    g = torch.Generator().manual_seed(m * 1000 + k)
-    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    got = BF16_KERNEL.get()(x, w, b)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+    x, w, b = random_linear(shape, with_bias)
+    assert_one_rounding(BF16_KERNEL.get()(x, w, b), x, w, b)
 
 
 @needs_kernel
@@ -177,16 +186,10 @@ def test_pack_rows_groups_64_rows_by_pairs_of_columns():
 def test_native_kernel_matches_fp32_maths(shape, with_bias):
     """One rounding of an fp32 sum, for row counts past tiles of 6 and outputs past groups of 64
     and vectors of 16."""
-    m, k, n = shape
-    g = torch.Generator().manual_seed(m * 1000 + k)
-    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    x, w, b = random_linear(shape, with_bias)
     lin = DecodeLinear(w, b)
     assert lin.native is not None and lin.packed is None
-    got = lin(x)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+    assert_one_rounding(lin(x), x, w, b)
 
 
 @needs_native
