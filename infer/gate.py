@@ -16,14 +16,6 @@ difficulty; the full tree 11% faster than the models' plan over all): per-arm ra
 plan 60% of the steps and reached 0.92x the tokens/s of always playing the full tree, pairs 0.96x.
 With the full tree 12% faster on every request (``test_throughput_gate_compares_arms_on_the_same_
 requests``), per-arm rates played it 14-97% of the late steps depending on the seed, pairs 94-98%.
-Why pooled rates and not the mean of the pairs' log ratios: a drafting arm's gain comes in
-bursts (a copy accepts 5-13 tokens a step, an open-ended stretch 1), and the mean of log ratios
-is the log of a geometric mean, which underrates a bursty arm against a steady one by about half
-its log variance (Jensen). Server at concurrency 1 (hybrid, bf16, session 34): the per-request
-gates played plain decoding on 38% of the steps and reached 0.92x the tokens/s of always-on
-speculation. A challenger's standing is therefore log(Σ its tokens / Σ its seconds) against the
-same sums of the leader's paired steps; the log ratios still give the spread that decides when
-a standing is trusted.
 Outputs never depend on the gate: it only changes what is drafted and verified.
 """
 from __future__ import annotations
@@ -73,8 +65,6 @@ class ThroughputGate:
         self.warmup_explore = warmup_explore or explore
         self.leader: dict = {}  # regime -> the arm played outside exploration runs
         self.pairs: dict[tuple, list] = {}  # (regime, challenger) -> decayed [n, Σ log ratio, Σ log ratio²]
-        # (regime, challenger) -> decayed [its tokens, its seconds, the leader's tokens, seconds] of the pairs
-        self.pooled: dict[tuple, list] = {}
         self.priors: dict = {}  # regime -> (arm -> log speed, weight) it was seeded with
         self.tokens: dict[tuple, float] = {}  # (regime, arm) -> decayed sums, for rate()
         self.seconds: dict[tuple, float] = {}
@@ -99,10 +89,11 @@ class ThroughputGate:
         None while too few pairs say too little."""
         if arm == self.leader.get(regime):
             return 0.0
-        n, mean, std = self._pair_stats(regime, arm)
+        n, s, q = self._pair_stats(regime, arm)
         if n <= 0:
             return None
-        std = max(std, MIN_PAIR_STD)
+        mean = s / n
+        std = max(math.sqrt(max(q / n - mean * mean, 0.0)), MIN_PAIR_STD)
         if n >= self.min_samples or (n >= 2 and abs(mean) > CONFIDENT * std / math.sqrt(n)):
             return mean
         return None
@@ -172,23 +163,17 @@ class ThroughputGate:
         if old is None or old == new:
             return
         mine = [k for k in self.pairs if k[0] == regime]
-        m = self._own_mean(regime, new)
         n1, s1, q1 = self.pairs.pop((regime, new), (0.0, 0.0, 0.0))
-        pooled1 = self.pooled.pop((regime, new), None)
         if n1 <= 0:  # nothing links the new leader to the old one
             for k in mine:
                 self.pairs.pop(k, None)
-                self.pooled.pop(k, None)
             return
+        m = s1 / n1
         for k in mine:
             if k in self.pairs:
                 n, s, q = self.pairs[k]
                 self.pairs[k] = [n, s - n * m, q - 2 * m * s + n * m * m]  # Σ(x - m), Σ(x - m)²
-            if k in self.pooled:  # the reference's rate as the new leader's: e^m x the old one's
-                self.pooled[k][2] *= math.exp(m)
         self.pairs[(regime, old)] = [n1, -s1, q1]
-        if pooled1 is not None:
-            self.pooled[(regime, old)] = pooled1[2:] + pooled1[:2]
 
     def speeds(self, regime, reference) -> dict:
         """Each arm's mean log tokens/s relative to ``reference`` from the regime's pairs, however
@@ -196,8 +181,9 @@ class ThroughputGate:
         lead = self.leader.get(regime)
         vs_lead = {lead: 0.0} if lead is not None else {}
         for arm in self.arms:
-            if arm != lead and self.pairs.get((regime, arm), (0.0,))[0] > 0:
-                vs_lead[arm] = self._own_mean(regime, arm)
+            n, s, _ = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
+            if arm != lead and n > 0:
+                vs_lead[arm] = s / n
         if reference not in vs_lead:
             return {}
         return {a: x - vs_lead[reference] for a, x in vs_lead.items()}
@@ -209,33 +195,20 @@ class ThroughputGate:
         self.priors[regime] = (dict(speeds), float(weight))
         self._set_leader(regime, max(speeds, key=speeds.get))
 
-    def _own_mean(self, regime, arm) -> float:
-        """An arm's log speed against the leader from its own pairs: of the pooled rates (see the
-        module's docstring), or the mean log ratio where no pooled sums exist."""
-        n, s, _ = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
-        pooled = self.pooled.get((regime, arm))
-        if pooled is not None and min(pooled) > 0:
-            tokens, seconds, ref_tokens, ref_seconds = pooled
-            return math.log((tokens / seconds) / (ref_tokens / ref_seconds))
-        return s / n if n > 0 else 0.0
-
     def _pair_stats(self, regime, arm) -> tuple:
-        """(weight, mean log speed, std of the log ratios) of an arm against the leader: its own
-        pairs plus the regime's prior, if seeded and it rates both."""
+        """[n, Σ log ratio, Σ log ratio²] of an arm against the leader: its own pairs plus the
+        regime's prior, if seeded and it rates both."""
         n, s, q = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
-        weighted = n * self._own_mean(regime, arm)
         speeds, w = self.priors.get(regime, ({}, 0.0))
         lead = self.leader.get(regime)
-        if arm in speeds and lead in speeds:  # the prior: w pairs at its ratio
+        if arm in speeds and lead in speeds:
             m = speeds[arm] - speeds[lead]
-            n, s, q, weighted = n + w, s + w * m, q + w * m * m, weighted + w * m
-        if n <= 0:
-            return 0.0, 0.0, 0.0
-        return n, weighted / n, math.sqrt(max(q / n - (s / n) ** 2, 0.0))
+            n, s, q = n + w, s + w * m, q + w * m * m
+        return n, s, q
 
     def forget(self, regime) -> None:
         """Drop everything measured in a regime (one that will not come back)."""
-        for table in (self.pairs, self.pooled, self.tokens, self.seconds, self.samples):
+        for table in (self.pairs, self.tokens, self.seconds, self.samples):
             for key in [k for k in table if k[0] == regime]:
                 del table[key]
         for table in (self.leader, self.decisions, self._recent, self.priors):
@@ -271,8 +244,6 @@ class ThroughputGate:
         n, s, q = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
         d = self.decay
         self.pairs[(regime, arm)] = [d * n + 1.0, d * s + x, d * q + x * x]
-        pooled = self.pooled.get((regime, arm), [0.0, 0.0, 0.0, 0.0])
-        self.pooled[(regime, arm)] = [d * a + b for a, b in zip(pooled, (tokens, seconds, ref_tokens, ref_seconds))]
 
 
 __all__ = ["ThroughputGate"]
