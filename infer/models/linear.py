@@ -79,6 +79,12 @@ def _can_pack(weight: Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _on_rows(op, x: Tensor, *args) -> Tensor:
+    """A kernel over rows (``op(x [rows, in], *args) -> [rows, out]``) applied to x [..., in]."""
+    y = op(x.reshape(-1, x.shape[-1]), *args)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class DecodeLinear:
     """``y = x @ weight.T + bias`` for x [..., in]; packed for oneDNN when that is faster."""
 
@@ -87,29 +93,28 @@ class DecodeLinear:
         self.packed = None
         self.kernel = None  # linear_cpu.cpp, for bf16 where the CPU emulates it
         self.native = None  # linear_bf16_cpu.cpp: (op, weight in its layout, fp32 bias)
-        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-                and weight.shape[1] % 2 == 0 and NATIVE_BF16_KERNEL.get() is not None):
-            self.native = (NATIVE_BF16_KERNEL.get(), pack_rows(weight), None if bias is None else bias.float())
+        bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        native = NATIVE_BF16_KERNEL.get() if bf16_cpu and weight.dim() == 2 and weight.shape[1] % 2 == 0 else None
+        if native is not None:
+            self.native = (native, pack_rows(weight), None if bias is None else bias.float())
         elif _can_pack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             except RuntimeError:  # an oneDNN build without this layout: the plain call works
                 pass
-        elif weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.is_contiguous():
+        elif bf16_cpu and weight.is_contiguous():
             self.kernel = BF16_KERNEL.get()
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.native is not None and x.dtype == torch.bfloat16 and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]:
             op, packed, bias = self.native
-            y = op(x.reshape(-1, x.shape[-1]), packed, bias, self.weight.shape[0])  # [rows, out]
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+            return _on_rows(op, x, packed, bias, self.weight.shape[0])
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # one row (a batch-1 decode step): PyTorch's bf16 GEMV measured ~13% faster a step than
         # the kernel's; from two rows on the kernel is 2-7x faster than the emulated matmul
         if self.kernel is not None and x.dtype == torch.bfloat16 and x.numel() > x.shape[-1]:
-            y = self.kernel(x.reshape(-1, x.shape[-1]), self.weight, self.bias)   # [rows, out]
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+            return _on_rows(self.kernel, x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property
