@@ -109,6 +109,14 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k, v = self.project_kv(x, cos, sin)
+        return self.attend(q, k, v, mask, past_kv, ttt_prev), (k, v)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+               past_kv: tuple[Tensor, Tensor] | None = None,
+               ttt_prev: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
+        """The attention of ``forward`` from rotated q [B, heads, T, D] and k, v [B, kv, T, D],
+        through o_proj -> [B, T, hidden]."""
+        B, T = q.shape[0], q.shape[2]
         if ttt_prev is not None:
             diag = ttt_prev + [(k, v)]
             out = self._attend_with_diagonal(q, *past_kv, mask, torch.stack([d[0] for d in diag], 3),
@@ -121,7 +129,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask,
                                                  is_causal=mask is None, enable_gqa=True)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        return self.o_proj(out), (k, v)
+        return self.o_proj(out)
 
     def _attend_with_diagonal(self, q, keys, vals, mask, ek, ev):
         """Softmax over [regular keys (masked) ; E per-query keys]. q [B, h, T, D];
@@ -213,5 +221,11 @@ class SlotKVCache:
         self.v[slots[b_idx], :, pos[b_idx, t_idx]] = v[b_idx, :, t_idx]
 
     def read(self, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:
-        """k, v [B, kv, length, D] of the given slots (positions past a slot's length are stale)."""
+        """k, v [B, kv, length, D] of the given slots (positions past a slot's length are stale):
+        views where the slots are consecutive (a drafter decoding alone), copies otherwise. Read
+        them before writing past a slot's length: a view sees the write."""
+        first = int(slots[0]) if slots.numel() else 0
+        if slots.numel() and bool((slots == torch.arange(first, first + slots.numel(), device=slots.device)).all()):
+            end = first + slots.numel()
+            return self.k[first:end, :, :length], self.v[first:end, :, :length]
         return self.k[slots, :, :length], self.v[slots, :, :length]

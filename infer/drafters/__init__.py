@@ -67,8 +67,10 @@ def load_draft_head(folder, target):
     dtype (heads are saved in fp32; an fp32 head beside a bf16 target measured 2x slower
     drafting), bf16 projections prepacked (a head loaded here only drafts) but for the
     vocabulary-sized ones: drafters pack those themselves, cut to the frequent tokens
-    (heads.common.DraftLogits), and the frozen copies of the target's LM head do not draft."""
+    (heads.common.DraftLogits), and the frozen copies of the target's LM head do not draft;
+    its Llama-style blocks in their fused decoding form (``infer/models/head_fusion.py``)."""
     from specdec.heads import load_head
+    from specdec.infer.models.head_fusion import fuse_for_decoding
     from specdec.infer.models.linear import pack_linears
 
     folder = Path(folder)
@@ -77,6 +79,7 @@ def load_draft_head(folder, target):
     head = load_head(folder, target)
     head.to(next(target.model.parameters()).dtype)
     pack_linears(head, skip_out_features=getattr(head.config, "vocab_size", None))
+    fuse_for_decoding(head)
     return head
 
 

@@ -1,11 +1,11 @@
 // The element-wise glue of a Llama decoder layer, one op each, for fp32 and bf16 on AVX2 CPUs:
 // RMSNorm (alone, or after the residual add), RoPE over the q and k heads of a fused qkv output
-// in place, and SiLU(gate) * up. In PyTorch each is 3-8 ops; at decode sizes (1-40 rows of 576)
-// an op costs its dispatch, not its arithmetic, and a 30-layer step paid ~1,000 of them. Each op
-// rounds where PyTorch's op sequence rounds (to the dtype after every element-wise op, the norm
-// in fp32), so the results are the PyTorch path's but for the order of the norm's sum of squares
-// and the exp inside SiLU (within one rounding step of the dtype). Rows are independent: a row's
-// result does not depend on the other rows of the call. See glue_cpu.py.
+// in place, SiLU(gate) * up; and the argmax of the logits. In PyTorch each is 3-8 ops; at decode
+// sizes (1-40 rows of 576) an op costs its dispatch, not its arithmetic, and a 30-layer step paid
+// ~1,000 of them. Each op rounds where PyTorch's op sequence rounds (to the dtype after every
+// element-wise op, the norm in fp32), so the results are the PyTorch path's but for the order of
+// the norm's sum of squares and the exp inside SiLU (within one rounding step of the dtype). Rows
+// are independent: a row's result does not depend on the other rows of the call. See glue_cpu.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -242,6 +242,70 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// -- argmax over the last axis: the first index of the largest value, the first NaN if any (as
+// torch's max(-1).indices); bf16 max(-1) on CPU costs ~35 us a 49k row, which a greedy step pays
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
+  int64_t best = 0;
+  int64_t j = 0;
+  if (V >= 16) {
+    __m256 vmax = load8(x);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i cur = vidx;
+    __m256 nan = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (j = 8; j + 8 <= V; j += 8) {
+      cur = _mm256_add_epi32(cur, eight);
+      const __m256 v = load8(x + j);
+      const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);  // strict: a lane keeps its first max
+      vmax = _mm256_blendv_ps(vmax, v, gt);
+      vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) {  // rare: find the first NaN the plain way
+      for (int64_t i = 0; i < V; ++i)
+        if (std::isnan(float(x[i]))) return i;
+    }
+    alignas(32) float m[8];
+    alignas(32) int32_t id[8];
+    _mm256_store_ps(m, vmax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(id), vidx);
+    best = id[0];
+    float bv = m[0];
+    for (int l = 1; l < 8; ++l)
+      if (m[l] > bv || (m[l] == bv && id[l] < best)) bv = m[l], best = id[l];
+  } else {
+    j = 1;
+    if (std::isnan(float(x[0]))) return 0;
+  }
+  float bv = float(x[best]);
+  for (; j < V; ++j) {
+    const float v = float(x[j]);
+    if (std::isnan(v)) return j;
+    if (v > bv) bv = v, best = j;
+  }
+  return best;
+}
+
+at::Tensor argmax_last(const at::Tensor& x) {
+  check_dtype(x, "argmax_last");
+  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) < (int64_t(1) << 31),
+              "argmax_last: x must be a contiguous [..., V] with 0 < V < 2^31, got ", x.sizes());
+  auto shape = x.sizes().vec();
+  const int64_t V = shape.back(), rows = x.numel() / V;
+  shape.pop_back();
+  auto out = at::empty(shape, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 131072 / V), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) o[i] = argmax_row(p + i * V, V);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_cpu_glue, m) {
@@ -249,6 +313,7 @@ TORCH_LIBRARY(specdec_cpu_glue, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_last(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu_glue, CPU, m) {
@@ -256,4 +321,5 @@ TORCH_LIBRARY_IMPL(specdec_cpu_glue, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_last", &argmax_last);
 }

@@ -65,6 +65,11 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return _ops().silu_mul(gate_up)
 
 
+def argmax_last(x: Tensor) -> Tensor:
+    """x.max(-1).indices (first index of the largest value; the first NaN if any) for x [..., V]."""
+    return _ops().argmax_last(x.contiguous())
+
+
 # -- what each op computes, in PyTorch (the tests hold the kernels to these; the decoder's fallback) --
 def reference_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()

@@ -1,6 +1,6 @@
 """The layer-glue kernels (infer/models/glue_cpu.cpp) compute what their PyTorch references
 compute: bit for bit where the order of operations is the same (the residual add, RoPE, SiLU(gate)
-* up in bf16), within one rounding step where it is not (the norm's sum of squares); a row's
+* up in bf16, the argmax), within one rounding step where it is not (the norm's sum of squares); a row's
 result does not depend on the other rows; bad inputs name the problem; and the lean decoder
 scores the same with and without them."""
 from __future__ import annotations
@@ -74,6 +74,29 @@ def test_silu_mul_matches_the_reference(dtype, shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_is_torchs_max_indices_with_ties_nans_and_infinities(dtype):
+    """Greedy decoding's token: the first index of the largest logit, the first NaN if there is
+    one, as ``max(-1).indices``. Small integers force ties inside and across the kernel's lanes;
+    widths 1-70 cover the scalar path, the vector loop and its tail."""
+    gen = torch.Generator().manual_seed(7)
+    for width in list(range(1, 71)) + [8192, 49152]:
+        x = torch.randint(-3, 3, (4, width), generator=gen).float()
+        u = torch.rand(4, width, generator=gen)
+        x[u < 0.02] = float("nan")
+        x[(u >= 0.02) & (u < 0.06)] = float("inf")
+        x[(u >= 0.06) & (u < 0.10)] = -float("inf")
+        x[0] = -float("inf")            # nothing above the first: index 0
+        x[1, width // 2:] = 2.5         # a tie from the middle on (if nothing larger came before)
+        x = x.to(dtype)
+        got = glue_cpu.argmax_last(x)
+        assert got.dtype == torch.long and torch.equal(got, x.max(-1).indices), width
+    logits = torch.randn(3, 9, 49152, generator=gen).to(dtype)   # a verification's [B, N, V]
+    assert torch.equal(glue_cpu.argmax_last(logits), logits.max(-1).indices)
+    assert torch.equal(glue_cpu.argmax_last(logits[:, 2]), logits[:, 2].max(-1).indices)  # strided view
+
+
+@needs_kernel
 def test_a_row_does_not_depend_on_the_rows_beside_it():
     """Decoding (1 row) and verification (many rows, one call split over threads) must score a
     row alike: the lossless guarantee rests on it."""
@@ -102,6 +125,8 @@ def test_bad_inputs_name_the_problem():
                        torch.zeros(1, 1, 32).bfloat16(), 3)
     with pytest.raises(RuntimeError, match="contiguous"):
         glue_cpu.silu_mul(torch.zeros(4, 6).bfloat16().t())
+    with pytest.raises(RuntimeError, match="0 < V"):
+        glue_cpu.argmax_last(torch.zeros(3, 0))
 
 
 @needs_kernel

@@ -130,3 +130,20 @@ def test_trained_head_is_lossless_and_accepted(smollm2, reference, trained_heads
     print(f"{head_type} batch {batch_size}: tau {tau:.2f}, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     assert tau >= MIN_TAU, (f"{head_type} batch {batch_size}: tau {tau:.2f} < {MIN_TAU}: "
                             "the trained head's drafts are barely accepted")
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3", "draft_lm"])
+def test_a_fused_trained_head_is_lossless_and_accepted(smollm2, reference, trained_heads, head_type):
+    """The same heads with their blocks in the fused decoding form that ``load_draft_head`` gives
+    a loaded head (infer/models/head_fusion.py): still exact, still accepted (ragged batch 4)."""
+    import copy
+
+    from specdec.infer.models.head_fusion import fuse_for_decoding
+
+    head = copy.deepcopy(trained_heads(head_type)[0])
+    assert fuse_for_decoding(head) > 0
+    prompts, replies = reference
+    llm = LLM(smollm2, method=head.method_name(), head=head, max_batch=len(prompts), max_len=256)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), budget=BUDGET)
+    assert [out.token_ids for out in outs] == replies
+    assert _tau(outs) >= MIN_TAU, f"{head_type} fused: tau {_tau(outs):.2f} < {MIN_TAU}"

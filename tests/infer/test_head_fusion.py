@@ -1,0 +1,84 @@
+"""A loaded draft head's blocks in their fused decoding form (infer/models/head_fusion.py) compute
+what the training forward computes, draft the same trees, and leave the parameters alone."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec.heads import TreeBudget, get_head_class
+from specdec.infer.models import glue_cpu
+from specdec.infer.models.head_fusion import fuse_for_decoding
+
+needs_kernel = pytest.mark.skipif(glue_cpu.unavailable_reason() is not None,
+                                  reason=f"no CPU glue kernel here: {glue_cpu.unavailable_reason()}")
+
+
+def _layer_inputs(head, dtype, B=2, T=5, P=7, seed=0):
+    """Random (features, tokens, cos, sin, mask, past K/V) for one draft layer call."""
+    gen = torch.Generator().manual_seed(seed)
+    c, attn = head.config, head.layers[0].self_attn
+    feature = torch.randn(B, T, c.hidden_size, generator=gen).to(dtype)
+    tokens = torch.randint(0, c.vocab_size, (B, T), generator=gen)
+    positions = P + torch.arange(T)[None].expand(B, T)
+    cos, sin = head.rotary(positions, dtype)
+    past = tuple(torch.randn(B, attn.num_kv_heads, P, attn.head_dim, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(B, T, P + T, generator=gen) < 0.7
+    mask[..., P:] = torch.tril(torch.ones(T, T, dtype=torch.bool))      # each query sees itself
+    return feature, tokens, cos, sin, mask, past
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_step_matches_the_training_forward(tiny_target, head_type, dtype):
+    torch.manual_seed(0)
+    head = get_head_class(head_type).from_target(tiny_target).to(dtype).eval()
+    fused = copy.deepcopy(head)
+    state = {k: v.clone() for k, v in fused.state_dict().items()}
+    assert fuse_for_decoding(fused) >= 4  # norms, attention, MLP, rotary
+    inputs = _layer_inputs(head, dtype)
+    with torch.no_grad():
+        feature = head.fuse_feature(inputs[0]) if head_type == "eagle" else inputs[0][..., :head.config.hidden_size]
+        want_out, (want_k, want_v) = head.layer_step(feature, *inputs[1:])
+        got_out, (got_k, got_v) = fused.layer_step(feature, *inputs[1:])
+        positions = torch.tensor([[0, 3, 1500]])
+        for a, b in zip(head.rotary(positions, dtype), fused.rotary(positions, dtype)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    torch.testing.assert_close(got_v, want_v, **tol)
+    torch.testing.assert_close(got_out, want_out, **tol)
+    assert all(torch.equal(v, state[k]) for k, v in fused.state_dict().items()), "fusion changed a parameter"
+
+
+@needs_kernel
+def test_fused_drafter_proposes_the_same_tree(tiny_target):
+    """fp32 EAGLE-3 drafting, fused or not: the same tokens in the same shape."""
+    from specdec.infer.runner import TargetRunner
+
+    torch.manual_seed(1)
+    head = get_head_class("eagle3").from_target(tiny_target, draft_vocab_size=64).eval()
+    fused = copy.deepcopy(head)
+    fuse_for_decoding(fused)
+    runner = TargetRunner(tiny_target, max_batch=2, max_len=64, feature_spec=head.feature_spec())
+    prompt = torch.randint(0, tiny_target.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    budget = TreeBudget(max_nodes=8, max_depth=3, topk=3)
+    trees = []
+    for h in (head, fused):
+        drafter = h.new_drafter(tiny_target)
+        drafter.reset(2, 64)
+        for slot in range(2):
+            _, feats = runner.prefill_batch([slot], [prompt[slot].tolist()])
+            drafter.prefill(slot, prompt[slot], feats[0])
+        trees.append(drafter.propose(torch.tensor([0, 1]), torch.tensor([5, 6]), budget))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    torch.testing.assert_close(trees[0].scores, trees[1].scores, rtol=1e-4, atol=1e-5)
+
+
+def test_a_head_on_a_device_without_the_kernels_is_left_as_it_is(tiny_target, monkeypatch):
+    monkeypatch.setattr(glue_cpu, "available", lambda dtype, device: False)
+    head = get_head_class("eagle3").from_target(tiny_target)
+    assert fuse_for_decoding(head) == 1  # the rotary table alone (no parameters, plain PyTorch)
+    assert "forward" not in vars(head.layers[0].self_attn)
