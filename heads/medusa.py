@@ -45,7 +45,7 @@ MC_SIM_7B_63 = [
     (0, 0, 0, 1), (1, 6), (0, 7, 0)]
 
 # CPU tree: the most valuable nodes of mc_sim_7b_63 in its own order, with the greedy chain
-# pulled forward to depth 4 (CPU_TREE_BUDGET keeps the first 8; a larger budget takes more). On a
+# pulled forward to depth 4 (CPU_TREE_BUDGET keeps the first 4; a larger budget takes more). On a
 # 2-core CPU verifying 16-32 tokens costs 1.35-1.8x one step, so a narrow tree that reaches deeper
 # is the better trade than the 10-wide fan-out Vicuna-7B's GPU list spends on depth 1.
 MEDUSA_CPU_CHOICES = [

@@ -41,11 +41,15 @@ class TreeBudget:
             raise ValueError(f"a non-empty TreeBudget needs max_depth >= 1 and topk >= 1, got {self}")
 
 
-# Measured on the 2-core CPU (SmolLM2-135M, bf16): verifying up to ~9 tokens costs about one
-# plain step (26-29 ms), 11 tokens 37 ms, 25 tokens 62 ms, and each EAGLE-3 draft level ~2.5 ms;
-# so 8 nodes over 4 levels beat 24 over 6 (33 vs 18 tok/s, 6 Spec-Bench prompts). On a GPU
-# verification of ~64 tokens is nearly free, so trees can be EAGLE-2's size.
-CPU_TREE_BUDGET = TreeBudget(max_nodes=8, max_depth=4, topk=4)
+# Measured on the 2-core AVX512-BF16 CPU (SmolLM2-135M, bf16, 600 keys of context): since one
+# token decodes in ~10.5 ms (specdec's bf16 linear kernel, session 34), each verified token costs
+# more in proportion: 4-6 tokens ~12 ms, 9 ~15-16.5 ms, 13 ~18-20 ms (the linear kernel takes 6
+# rows a tile; attention grows ~0.35 ms a token). EAGLE-3 from its recipe, methods interleaved
+# over 3 x 13 Spec-Bench questions: 8 nodes over 4 levels 0.86-0.92x plain decoding, 4 nodes
+# (top-3) 1.00-1.05x at tau 1.51-1.54 against 1.60, alike over 2, 3 or 4 levels (a level is drafted
+# only while the frontier holds enough mass; session 35). On a GPU verification of ~64 tokens is
+# nearly free, so trees can be EAGLE-2's size.
+CPU_TREE_BUDGET = TreeBudget(max_nodes=4, max_depth=4, topk=3)
 GPU_TREE_BUDGET = TreeBudget(max_nodes=60, max_depth=7, topk=10)
 # A CPU without native bf16 (AVX2 only, e.g. AMD Zen 3) pays for every token verified: the
 # projections of 8 rows cost ~1.9x one row's, in fp32 and in specdec's bf16 kernel alike, so a
@@ -56,7 +60,7 @@ CPU_CHAIN_BUDGET = TreeBudget(max_nodes=3, max_depth=3, topk=1)
 
 
 def default_budget(device: str | torch.device = "cpu") -> TreeBudget:
-    """The heads' tree budget for ``device``: EAGLE-2-sized on a GPU, 8 nodes on a CPU with native
+    """The heads' tree budget for ``device``: EAGLE-2-sized on a GPU, 4 nodes on a CPU with native
     bf16, a 3-token chain on other CPUs."""
     if torch.device(device).type == "cuda":
         return GPU_TREE_BUDGET

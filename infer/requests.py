@@ -108,9 +108,11 @@ class Request:
             elif len(self.out) >= p.max_tokens:
                 self._finish("length")
         text = self._visible_text()
-        keep = 0  # text only grows, but be safe if a decoder rewrote its tail
-        while keep < min(len(text), len(self.sent_text)) and text[keep] == self.sent_text[keep]:
-            keep += 1
+        if text.startswith(self.sent_text):  # text only grows (one C call, not a loop over 1k chars)
+            keep = len(self.sent_text)
+        else:  # but be safe if a decoder rewrote its tail: resend from the first change
+            keep = next((i for i, (a, b) in enumerate(zip(text, self.sent_text)) if a != b),
+                        min(len(text), len(self.sent_text)))
         new_text, self.sent_text = text[keep:], text
         return RequestOutput(self.id, text, list(self.out), added, new_text, self.finished,
                              self.finish_reason, self.prompt, self.stats() if self.finished else {})

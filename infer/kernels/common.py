@@ -122,6 +122,30 @@ def check_tree_values(name: str, parents: Tensor, valid: Tensor) -> None:
                          f"{int(parents[b, i + 1])}")
 
 
+def tree_depths_checked(name: str, parents: list[list[int]], valid: list[list[bool]]) -> list[list[int]]:
+    """``check_tree_values`` on host lists (the same errors; a tensor pass costs ~15 ops, ~50 us a
+    step on the 2-core CPU), returning each node's depth (root and invalid nodes 0)."""
+    depths = []
+    for b, (par, val) in enumerate(zip(parents, valid)):
+        if not val[0]:
+            raise ValueError(f"{name}: node 0 (the root) must be valid in every row")
+        if par[0] != -1:
+            raise ValueError(f"{name}: parents[:, 0] must be -1 (node 0 is the root)")
+        depth = [0] * len(par)
+        for i in range(1, len(par)):
+            if not val[i]:
+                continue
+            p = par[i]
+            if not 0 <= p < i:
+                raise ValueError(f"{name}: node {i} of row {b} has parent {p}; "
+                                 f"a valid node's parent must be in [0, {i})")
+            if not val[p]:
+                raise ValueError(f"{name}: valid node {i} of row {b} hangs under invalid node {p}")
+            depth[i] = depth[p] + 1
+        depths.append(depth)
+    return depths
+
+
 def node_depths(parents: Tensor, valid: Tensor) -> Tensor:
     """depth [B, N] long of every node (root 0; invalid nodes 0), in O(log N) tensor ops.
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specdec.infer.kernels.common import (Accepted, jit, check_tree_shapes, check_tree_values,
-                                          next_pow2, path_width, resolve_impl, tl)
+                                          next_pow2, path_width, resolve_impl, tl, tree_depths_checked)
 
 
 def greedy_accept(tokens: Tensor, parents: Tensor, valid: Tensor, target_argmax: Tensor,
@@ -41,18 +41,19 @@ def greedy_accept_host(tokens: Tensor, parents: Tensor, valid: Tensor, target_ar
     costs ~40 tensor ops in the reference (~0.5 ms of per-op overhead a step on the 2-core CPU,
     where the whole step is ~30 ms); here a few microseconds. Tested equal to the reference."""
     B, N = check_tree_shapes("greedy_accept", tokens, parents, valid, {"target_argmax": target_argmax})
-    check_tree_values("greedy_accept", parents, valid)
-    width = path_width(parents, valid, max_depth)
     toks, pars, vals, wants = (t.tolist() for t in (tokens, parents, valid, target_argmax))
+    depths = tree_depths_checked("greedy_accept", pars, vals)
+    if max_depth is not None and max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    width = 1 + (max_depth if max_depth is not None else max((max(d) for d in depths), default=0))
     n_accepted, bonus, paths = [], [], []
-    for tok, par, val, want in zip(toks, pars, vals, wants):
-        depth, ok, best = [0] * N, [False] * N, 0
+    for tok, par, val, want, depth in zip(toks, pars, vals, wants, depths):
+        ok, best = [False] * N, 0
         ok[0] = True
         for i in range(1, N):  # parents come first, so one pass settles every node
             if not val[i]:
                 continue
             p = par[i]
-            depth[i] = depth[p] + 1
             ok[i] = ok[p] and tok[i] == want[p] and depth[i] < width
             if ok[i] and depth[i] > depth[best]:  # deepest; ties keep the lowest index
                 best = i

@@ -1,7 +1,8 @@
 // The element-wise glue of a Llama decoder layer, one op each, for fp32 and bf16 on AVX2 CPUs:
 // RMSNorm (alone, or after the residual add), RoPE over the q and k heads of a fused qkv output
-// in place, SiLU(gate) * up; and the argmax of the logits. In PyTorch each is 3-8 ops; at decode
-// sizes (1-40 rows of 576) an op costs its dispatch, not its arithmetic, and a 30-layer step paid
+// in place, SiLU(gate) * up; and two more small pieces of a decode step, the argmax of the logits
+// and a commit's K/V moves. In PyTorch each is 3-8 ops (the moves 60 per commit); at decode sizes
+// (1-40 rows of 576) an op costs its dispatch, not its arithmetic, and a 30-layer step paid
 // ~1,000 of them. Each op rounds where PyTorch's op sequence rounds (to the dtype after every
 // element-wise op, the norm in fp32), so the results are the PyTorch path's but for the order of
 // the norm's sum of squares and the exp inside SiLU (within one rounding step of the dtype). Rows
@@ -306,6 +307,34 @@ at::Tensor argmax_last(const at::Tensor& x) {
   return out;
 }
 
+// -- a commit's K/V moves: cache[rows[m], :, dst[m]] <- cache[rows[m], :, src[m]] for every cache
+// tensor [max_batch, heads, max_len, head_dim], m in order (compact_kv's host path lists them so
+// that a move never reads a position an earlier one wrote); one call instead of 60 index ops --
+void move_positions_(at::TensorList caches, const at::Tensor& rows, const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && dst.scalar_type() == at::kLong && src.scalar_type() == at::kLong &&
+                  rows.is_contiguous() && dst.is_contiguous() && src.is_contiguous() && rows.dim() == 1 &&
+                  dst.sizes() == rows.sizes() && src.sizes() == rows.sizes(),
+              "move_positions_: rows, dst and src must be contiguous int64 [M] of one length");
+  const int64_t M = rows.numel();
+  const int64_t *r = rows.data_ptr<int64_t>(), *d = dst.data_ptr<int64_t>(), *s = src.data_ptr<int64_t>();
+  for (const at::Tensor& t : caches) {
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.is_contiguous(),
+                "move_positions_: caches must be contiguous CPU [max_batch, heads, max_len, head_dim], got ",
+                t.sizes());
+    const int64_t B = t.size(0), H = t.size(1), L = t.size(2);
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(0 <= r[m] && r[m] < B && 0 <= d[m] && d[m] < L && 0 <= s[m] && s[m] < L,
+                  "move_positions_: move ", m, " (row ", r[m], ", ", s[m], " -> ", d[m], ") is outside ", t.sizes());
+    const int64_t row_bytes = t.size(3) * t.element_size();
+    char* base = static_cast<char*>(t.data_ptr());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t h = 0; h < H; ++h) {
+        char* head = base + ((r[m] * H + h) * L) * row_bytes;
+        std::memmove(head + d[m] * row_bytes, head + s[m] * row_bytes, row_bytes);
+      }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_cpu_glue, m) {
@@ -314,6 +343,7 @@ TORCH_LIBRARY(specdec_cpu_glue, m) {
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_last(Tensor x) -> Tensor");
+  m.def("move_positions_(Tensor(a!)[] caches, Tensor rows, Tensor dst, Tensor src) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu_glue, CPU, m) {
@@ -322,4 +352,5 @@ TORCH_LIBRARY_IMPL(specdec_cpu_glue, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_last", &argmax_last);
+  m.impl("move_positions_", &move_positions_);
 }

@@ -1,5 +1,7 @@
 """The element-wise glue of a decoder layer in one C++ op each (``glue_cpu.cpp``): RMSNorm, the
-residual add fused with the norm after it, RoPE over q and k in place, SiLU(gate) * up.
+residual add fused with the norm after it, RoPE over q and k in place, SiLU(gate) * up; and two
+more small pieces of a decode step: the argmax of the logits (greedy tokens) and a commit's K/V
+moves (``compact_kv``'s host path).
 
 At decode sizes the lean decoder's step was bound by per-op overhead, not arithmetic: its
 RMSNorm is 8 PyTorch ops, a RoPE 7 per tensor, the MLP's activation 3, ~1,000 ops of a
@@ -68,6 +70,12 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 def argmax_last(x: Tensor) -> Tensor:
     """x.max(-1).indices (first index of the largest value; the first NaN if any) for x [..., V]."""
     return _ops().argmax_last(x.contiguous())
+
+
+def move_positions_(caches: list[Tensor], rows: Tensor, dst: Tensor, src: Tensor) -> None:
+    """For each contiguous cache [max_batch, heads, max_len, head_dim] and each move m in order:
+    cache[rows[m], :, dst[m]] = cache[rows[m], :, src[m]] (int64 [M] each), bounds checked."""
+    _ops().move_positions_(caches, rows, dst, src)
 
 
 # -- what each op computes, in PyTorch (the tests hold the kernels to these; the decoder's fallback) --

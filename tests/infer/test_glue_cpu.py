@@ -127,6 +127,11 @@ def test_bad_inputs_name_the_problem():
         glue_cpu.silu_mul(torch.zeros(4, 6).bfloat16().t())
     with pytest.raises(RuntimeError, match="0 < V"):
         glue_cpu.argmax_last(torch.zeros(3, 0))
+    cache, one = torch.zeros(2, 3, 8, 4), torch.tensor([1])
+    with pytest.raises(RuntimeError, match="outside"):  # a position past max_len moves nothing
+        glue_cpu.move_positions_([cache], one, torch.tensor([8]), one)
+    with pytest.raises(RuntimeError, match="contiguous CPU"):
+        glue_cpu.move_positions_([cache.transpose(1, 2)], one, one, one)
 
 
 @needs_kernel

@@ -189,15 +189,23 @@ def greedy_edge_cases_kernel():
     check_greedy_ties(greedy_accept_triton)
 
 
-def test_reference_rejects_malformed_trees():
+@pytest.mark.parametrize("greedy", [greedy_accept_reference, greedy_accept_host])
+def test_greedy_acceptance_rejects_malformed_trees(greedy):
     tokens = torch.zeros(1, 3, dtype=torch.long)
     valid = torch.ones(1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="node 2 of row 0 has parent 2"):
-        greedy_accept_reference(tokens, torch.tensor([[-1, 0, 2]]), valid, tokens)
+        greedy(tokens, torch.tensor([[-1, 0, 2]]), valid, tokens)
     with pytest.raises(ValueError, match="parents\\[:, 0\\] must be -1"):
-        greedy_accept_reference(tokens, torch.tensor([[0, 0, 1]]), valid, tokens)
+        greedy(tokens, torch.tensor([[0, 0, 1]]), valid, tokens)
     with pytest.raises(ValueError, match="hangs under invalid node 1"):
-        greedy_accept_reference(tokens, torch.tensor([[-1, 0, 1]]), torch.tensor([[True, False, True]]), tokens)
+        greedy(tokens, torch.tensor([[-1, 0, 1]]), torch.tensor([[True, False, True]]), tokens)
+    with pytest.raises(ValueError, match="root\\) must be valid"):
+        greedy(tokens, torch.tensor([[-1, 0, 1]]), torch.tensor([[False, True, True]]), tokens)
+
+
+def test_reference_rejects_malformed_trees():
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    valid = torch.ones(1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="target_argmax must start with"):
         greedy_accept(tokens, torch.tensor([[-1, 0, 1]]), valid, tokens[:, :2])
     probs = torch.full((1, 3, 4), 0.25)
@@ -329,8 +337,16 @@ def check_compact_kv_random_paths(impl, seed: int, rounds: int, dtype):
         assert all(torch.equal(x, y) for x, y in zip(a + [stacked], b + [stacked_b]))
 
 
-def test_compact_kv_host_spec_and_random_paths():
-    """The runtime's CPU path (compact_kv's default on CPU tensors) is the reference's twin."""
+@pytest.mark.parametrize("glue", [True, False])
+def test_compact_kv_host_spec_and_random_paths(glue, monkeypatch):
+    """The runtime's CPU path (compact_kv's default on CPU tensors) is the reference's twin, with
+    the glue kernel's moves and with the index ops that stand in where it cannot be built."""
+    from specdec.infer.models import glue_cpu
+
+    if glue and glue_cpu.unavailable_reason() is not None:
+        pytest.skip(f"no CPU glue kernel here: {glue_cpu.unavailable_reason()}")
+    if not glue:
+        monkeypatch.setattr(glue_cpu.KERNEL, "get", lambda: None)
     check_compact_kv_spec(compact_kv_host)
     check_compact_kv_random_paths(compact_kv, seed=2, rounds=10, dtype=torch.bfloat16)
 
