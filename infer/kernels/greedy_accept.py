@@ -43,9 +43,8 @@ def greedy_accept_host(tokens: Tensor, parents: Tensor, valid: Tensor, target_ar
     B, N = check_tree_shapes("greedy_accept", tokens, parents, valid, {"target_argmax": target_argmax})
     toks, pars, vals, wants = (t.tolist() for t in (tokens, parents, valid, target_argmax))
     depths = tree_depths_checked("greedy_accept", pars, vals)
-    if max_depth is not None and max_depth < 0:
-        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
-    width = 1 + (max_depth if max_depth is not None else max((max(d) for d in depths), default=0))
+    tree_depth = max(max(d) for d in depths) if depths else 0  # what path_width would sync for
+    width = path_width(parents, valid, tree_depth if max_depth is None else max_depth)
     n_accepted, bonus, paths = [], [], []
     for tok, par, val, want, depth in zip(toks, pars, vals, wants, depths):
         ok, best = [False] * N, 0

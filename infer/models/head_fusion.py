@@ -67,7 +67,8 @@ class _FusedNorm:
 
 class _FusedMLP:
     def __init__(self, mlp):
-        self.gate_up, self.down, self.reference = _fused_linear([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, mlp.forward
+        self.gate_up, self.down = _fused_linear([mlp.gate_proj, mlp.up_proj]), mlp.down_proj
+        self.reference = mlp.forward
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.dtype != self.gate_up.weight.dtype:
