@@ -28,6 +28,11 @@ from dataclasses import dataclass
 # before ``min_samples`` pairs (a 3x slower arm need not be tried 4 times).
 CONFIDENT = 2.0
 MIN_PAIR_STD = 0.25  # floor of a pair's log-ratio std: two pairs never look certain
+# Share of a regime's time that the runs of one arm known to be behind may cost: the slower the arm,
+# the rarer its runs. A fixed pace (every 4th period) was fine for arms 10-40% behind, but a full tree
+# at batch 16 runs at 0.1x of plain decoding on a 2-core CPU, and one 3-step run every 128 decisions
+# cost a fifth of the time there (offline twin of the server, a fresh one at concurrency 16: 0.62x plain).
+EXPLORE_COST = 0.03
 
 
 @dataclass
@@ -48,7 +53,8 @@ class ThroughputGate:
     decay: weight of the past per new pair (0.9: about the last 10 pairs of a challenger count);
     min_samples: pairs of a challenger before its standing is trusted (earlier if clear-cut);
     explore: every explore-th decision of a regime starts a run of ``run`` decisions of a
-    challenger (in turn; one clearly, < ``clear`` x, slower only every 4th time); warmup_explore:
+    challenger (in turn; one clearly, < ``clear`` x, slower only every 4th time or rarer, so that its
+    runs cost at most ``EXPLORE_COST`` of the time); warmup_explore:
     the same period while some challenger is not trusted yet (default ``explore``). The first
     step after a switch is not sampled: it pays the switch (a drafter catching up on the tokens it
     skipped), not the arm's steady rate.
@@ -152,8 +158,12 @@ class ThroughputGate:
             return None
         k = n // every
         arm = pool[k % len(pool)]
-        behind = standing[arm] is not None and standing[arm] < math.log(self.clear)
-        return None if behind and (k // len(pool)) % 4 else arm
+        if standing[arm] is None or standing[arm] >= math.log(self.clear):
+            return arm
+        # a run costs (1/r - 1) leader steps per step of it, r the arm's relative speed
+        extra = self.run * (math.exp(-standing[arm]) - 1.0)
+        period = max(4, math.ceil(extra / (EXPLORE_COST * every)))  # in the arm's turns
+        return None if (k // len(pool)) % period else arm
 
     def _set_leader(self, regime, new) -> None:
         """Re-express every challenger's pairs against the new leader (log ratios subtract)."""

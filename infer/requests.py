@@ -61,6 +61,45 @@ class RequestOutput:
     stats: dict = field(default_factory=dict)  # steps, accepted_per_step, tau, new_tokens, seconds, tokens_per_s
 
 
+class IncrementalText:
+    """The text of a growing token list, decoding only its last few tokens per update.
+
+    Decoding the whole output at every step cost ~0.2 ms per sequence at 64 tokens (SmolLM2's
+    tokenizer) and grew with the output: 5% of a batch-4 step, more at big batches. A window
+    ``[prefix:]`` is decoded twice, without and with the new tokens; the difference is the new
+    text (the window's shared start gives both the same context, so a tokenizer that drops a
+    word's leading space at the start of a decode drops it from both). A tail that ends in an
+    incomplete UTF-8 character is kept pending until its other bytes arrive, as vLLM's
+    incremental detokenizer does. Where a decoder rewrites text before the window (the window's
+    text is no prefix of the longer one), the whole list is decoded once.
+    """
+
+    CONTEXT = 6  # tokens of context kept before the read position after a full decode
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.done = ""  # text of tokens[:read]
+        self.prefix = self.read = 0
+        self.pending = ""  # text of tokens[read:] that ends in an incomplete character
+
+    def _dec(self, tokens) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def update(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (the list seen before, grown at its end)."""
+        if len(tokens) > self.read:
+            before, after = self._dec(tokens[self.prefix:self.read]), self._dec(tokens[self.prefix:])
+            if not after.startswith(before):  # the decoder rewrote earlier text: decode it all
+                self.done, self.pending = self._dec(tokens), ""
+                self.read, self.prefix = len(tokens), max(len(tokens) - self.CONTEXT, 0)
+            elif after.endswith("\ufffd"):
+                self.pending = after[len(before):]
+            else:
+                self.done, self.pending = self.done + after[len(before):], ""
+                self.prefix, self.read = self.read, len(tokens)
+        return self.done + self.pending
+
+
 class Request:
     """Engine-side state of one sequence. ``root`` is the pending token: sampled by the target,
     emitted, but not yet run through it (its K/V is written by the next verification)."""
@@ -80,6 +119,7 @@ class Request:
         self.finished, self.finish_reason = False, None
         self.stop_at: int | None = None    # text index where a stop string begins
         self.sent_text = ""
+        self.text = IncrementalText(tokenizer)
         self.t_start = self.t_end = None
         self.generator = None
         if not params.greedy:  # per-request stream: a fixed seed reproduces the output in any batch
@@ -121,7 +161,7 @@ class Request:
         self.finished, self.finish_reason, self.t_end = True, reason, time.perf_counter()
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.out, skip_special_tokens=True)
+        return self.text.update(self.out)
 
     def _find_stop(self) -> bool:
         text = self._decode()

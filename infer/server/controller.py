@@ -39,6 +39,7 @@ from specdec.infer.gate import ThroughputGate
 from .costmodel import AcceptanceTracker, ConfidenceBlend, CostModel
 
 POLICIES = ("goodput", "always", "threshold", "thompson")
+BIG_BUCKET = 3  # batch-size bucket 3 = 8-15 sequences (``ThompsonPolicy.bucket``)
 
 
 def budget_grid(nodes=(0, 2, 4, 8, 16, 32), max_depth: int = 6, topk: int = 4) -> list[TreeBudget]:
@@ -223,10 +224,17 @@ class GoodputPolicy(Policy):
         # and the model arm's steps. Planning costs ~0.2 ms of Python at batch 4 and ~0.5 at
         # batch 16 (1-2% of a step there), which a plain leader would pay every step for nothing.
         plan = default = None
-        if regime not in self.gate.leader and self._leader_below(bucket) == "plain":
+        big = bucket >= BIG_BUCKET
+        if regime not in self.gate.leader and self._leader_below(bucket, measured=big) in (
+                ("plain", None) if big else ("plain",)):
             # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
             # where the next smaller one decodes plainly, rather than from the models' guess (their
             # cost model is fitted mostly on smaller batches), and lets the pairs promote speculation.
+            # So does a big batch where no smaller one measured speculation against plain (a server
+            # that starts under heavy load, its small batches seen only for the few steps of the
+            # ramp): there a wrong full-tree start costs up to 10x a plain step per step until the
+            # pairs demote it (offline twin of a fresh server at concurrency 16: 0.62x plain), a
+            # wrong plain start only the gain of the steps until they promote speculation.
             default = "plain"
         elif regime not in self.gate.leader:
             # A bucket's first leader, where the models would speculate, is the full tree: at
@@ -277,9 +285,12 @@ class GoodputPolicy(Policy):
                     self.alone_prior[arm] = [d * n + 1.0, d * s + x + shift]
         self.gate.forget(regime)
 
-    def _leader_below(self, bucket: int):
-        """The arm leading at the nearest smaller batch-size bucket that has one (None: none)."""
-        return next((self.gate.leader[b] for b in range(bucket - 1, -1, -1) if b in self.gate.leader), None)
+    def _leader_below(self, bucket: int, measured: bool = False):
+        """The arm leading at the nearest smaller batch-size bucket that has one (None: none);
+        measured: only a leader that pairs with plain decoding put there (or plain itself)."""
+        g = self.gate
+        return next((g.leader[b] for b in range(bucket - 1, -1, -1) if b in g.leader
+                     and (not measured or g.leader[b] == "plain" or g.relative(b, "plain") is not None)), None)
 
     def _speculating_plan(self, ctl, rids) -> tuple[dict, bool]:
         """The plan the model arm plays and whether the models expect it to beat plain decoding.

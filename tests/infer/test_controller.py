@@ -446,6 +446,22 @@ def test_goodput_starts_a_bigger_batch_plain_where_a_smaller_one_decodes_plainly
     assert ctl.policy.gate.leader[5] == "plain"
 
 
+def test_goodput_starts_a_big_batch_plain_unless_a_smaller_one_measured_speculation_faster():
+    """From batch 8 on, a new batch size follows the models' call (here: speculate) only where a
+    smaller batch size measured speculation against plain and found it faster: a leader there by
+    default alone (the few steps of a busy server's ramp) does not count."""
+    cheap = CostPrior(a=0.030, b=0.0, c=0.0001)
+    rids = [f"r{i}" for i in range(16)]
+    nodes = lambda ctl, n: max(b.max_nodes for b in ctl.plan(rids[:n]).values())  # noqa: E731
+    fresh = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
+    assert nodes(fresh, 4) == 8 and nodes(fresh, 16) == 0  # bucket 2 by default only: plain at 16
+    measured = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
+    assert nodes(measured, 4) == 8
+    x = math.log(0.7)  # batch 4-7 measured plain at 0.7x the full tree
+    measured.policy.gate.pairs[(2, "plain")] = [4.0, 4 * x, 4 * x * x]
+    assert nodes(measured, 16) == 8
+
+
 def test_goodput_starts_a_request_decoding_alone_from_the_ones_before_it():
     """Requests decoding alone seed the next one's gate: after four on which the full tree decodes
     1.25x faster than plain (the models' small plan 1.1x), a new request explores the other arms

@@ -16,7 +16,7 @@ from specdec.heads.base import FeatureSpec
 from specdec.heads.tree import DraftTree, TreeBudget
 from specdec.infer.datastore import (Datastore, DatastoreError, build_datastore, build_suffix_array,
                                      default_datastore)
-from specdec.infer.gate import ThroughputGate
+from specdec.infer.gate import EXPLORE_COST, ThroughputGate
 from specdec.infer.drafters.hybrid import (FLOWING, HEAD, TRUSTED_COPY, NodeCost, SourceGate, expected_length,
                                           regime_of)
 from specdec.infer.drafters.hybrid import HybridDrafter
@@ -470,27 +470,53 @@ def test_throughput_gate_follows_a_default_until_it_has_measured_both_arms():
     assert gate.pairs[(0, True)] == [1.0, 0.0, 0.0] and gate.standing(0, True) is None
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_throughput_gate_compares_arms_on_the_same_requests(seed):
+def test_throughput_gate_compares_arms_on_the_same_requests():
     """Speculation's tokens per step swing with the request (each runs 20-60 steps and accepts
     1.2-3 tokens a step), plain decoding's do not; the full tree is 12% faster than the models'
     plan on every request. Compared in adjacent pairs, the full tree takes the lead from the
     default and keeps it. (Each arm's own running rate, the easy requests of one against the hard
-    ones of another, played it 14-97% of the late steps across seeds.)"""
-    rng = random.Random(seed)
-    gate = ThroughputGate(decay=0.95, min_samples=4, explore=32, run=3, clear=0.9, warmup_explore=8,
-                          arms=("plain", "model", "full"))
-    arms, left = [], 0
-    for _ in range(2000):
-        if left == 0:
-            left, level = rng.randint(20, 60), rng.uniform(1.2, 3.0)
-        left -= 1
-        arm = gate.choose(0, default="model")
-        arms.append(arm)
-        tokens = 1.0 if arm == "plain" else level * (1.12 if arm == "full" else 1.0) * rng.uniform(0.6, 1.4)
-        gate.record(0, arm, tokens=tokens, seconds=0.03)
-    assert gate.leader[0] == "full" and gate.relative(0, "model") < 1.0 and gate.relative(0, "plain") < 1.0
-    assert arms[-1000:].count("full") >= 900  # the rest: exploration runs
+    ones of another, played it 14-97% of the late steps across seeds.) Over 60 seeds, 1-2 runs fall
+    to 82-89% when the noise lifts the models' plan within 2% of the full tree for a while."""
+    late_full = []
+    for seed in range(5):
+        rng = random.Random(seed)
+        gate = ThroughputGate(decay=0.95, min_samples=4, explore=32, run=3, clear=0.9, warmup_explore=8,
+                              arms=("plain", "model", "full"))
+        arms, left = [], 0
+        for _ in range(2000):
+            if left == 0:
+                left, level = rng.randint(20, 60), rng.uniform(1.2, 3.0)
+            left -= 1
+            arm = gate.choose(0, default="model")
+            arms.append(arm)
+            tokens = 1.0 if arm == "plain" else level * (1.12 if arm == "full" else 1.0) * rng.uniform(0.6, 1.4)
+            gate.record(0, arm, tokens=tokens, seconds=0.03)
+        assert gate.leader[0] == "full" and gate.relative(0, "model") < 1.0 and gate.relative(0, "plain") < 1.0
+        late_full.append(arms[-1000:].count("full"))
+    assert min(late_full) >= 800 and sum(late_full) >= 4500  # the rest: exploration runs
+
+
+@pytest.mark.parametrize("slow", [0.8, 0.1])
+def test_throughput_gate_explores_an_arm_the_rarer_the_slower_it_is(slow):
+    """An arm known to be behind is still explored, but its runs never cost more than
+    ``EXPLORE_COST`` of the time: at 0.8x the leader's speed every 4th period (as for any arm
+    clearly behind), at 0.1x (a full tree at batch 16 on this CPU) ~7x rarer still."""
+    gate = ThroughputGate(decay=0.95, min_samples=4, explore=32, run=3, clear=0.9, warmup_explore=8)
+    seconds = {False: 1.0, True: 1.0 / slow}  # one token a step either way
+    spent = {False: 0.0, True: 0.0}
+    runs, prev = 0, False
+    for n in range(8000):
+        arm = gate.choose(0, default=False)
+        runs += arm and n >= 2000 and not prev
+        prev = arm
+        gate.record(0, arm, tokens=1.0, seconds=seconds[arm])
+        if n >= 2000:
+            spent[arm] += seconds[arm]
+    assert gate.leader[0] is False and gate.relative(0, True) == pytest.approx(slow)
+    share = spent[True] / (spent[True] + spent[False])
+    assert runs >= 3 and share <= EXPLORE_COST
+    if slow == 0.8:
+        assert runs == pytest.approx(6000 / (4 * 32), abs=2)  # every 4th period of 32 decisions
 
 
 def test_throughput_gate_seeded_regime_trusts_its_prior_until_its_own_pairs_disagree():
