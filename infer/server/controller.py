@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ from .costmodel import AcceptanceTracker, ConfidenceBlend, CostModel
 
 POLICIES = ("goodput", "always", "threshold", "thompson")
 BIG_BUCKET = 3  # batch-size bucket 3 = 8-15 sequences (``ThompsonPolicy.bucket``)
+DIP_STEPS = 8  # decisions the goodput policy remembers a batch size for (``GoodputPolicy.choose``)
 
 
 def budget_grid(nodes=(0, 2, 4, 8, 16, 32), max_depth: int = 6, topk: int = 4) -> list[TreeBudget]:
@@ -194,11 +196,19 @@ class GoodputPolicy(Policy):
         self._planned_at = -2  # ctl.steps when the models last planned
         self._plain_steps = 0
         self._played: tuple | None = None
+        self._sizes: deque = deque(maxlen=DIP_STEPS)  # batch sizes of the last decisions
 
     def choose(self, ctl, rids):
         if not rids:
             return {}
-        bucket = ThompsonPolicy.bucket(len(rids))
+        # The regime follows the load, not its dips: under closed-loop load a finished request
+        # leaves the batch one short for the 1-3 steps until its client's next one is admitted
+        # and prefilled. At concurrency 4 those steps at batch 3 played the batch-2-3 leader (a
+        # full tree, learnt at concurrency 2) at about half plain decoding's rate, after the
+        # drafter caught up on every row's plain steps: 0.86-0.91x plain over the level.
+        self._sizes.append(len(rids))
+        size = max(self._sizes)
+        bucket = ThompsonPolicy.bucket(size)
         allowed = self._arms(bucket) if self.gate is not None else None
         # A request decoding alone is its own regime: at batch 1 whether speculation pays is a
         # property of the request (a copy-heavy one accepts 3-5 tokens a step, an open-ended
@@ -206,8 +216,8 @@ class GoodputPolicy(Policy):
         # request handed plain decoding the lead for ~950 steps. Offline twin of the server (16
         # Spec-Bench requests one at a time, hybrid, bf16): 0.92x the tokens/s of always-on with
         # one gate, 1.01x with a gate per request.
-        regime = ("alone", rids[0]) if len(rids) == 1 else bucket
-        if (len(rids) == 1 and self.gate is not None and regime not in self.gate.leader
+        regime = ("alone", rids[0]) if size == 1 else bucket
+        if (size == 1 and self.gate is not None and regime not in self.gate.leader
                 and (prior := self._alone_prior())):
             # ... but a new request starts from what the ones before it measured, not from scratch:
             # learning each request's arms anew explored 3 steps of 8 for most of a 128-token

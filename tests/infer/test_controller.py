@@ -10,7 +10,7 @@ import pytest
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.server.controller import (
-    GoodputPolicy, StepObservation, ThompsonPolicy, best_plan, budget_grid, make_controller)
+    DIP_STEPS, GoodputPolicy, StepObservation, ThompsonPolicy, best_plan, budget_grid, make_controller)
 from specdec.infer.server.costmodel import AcceptanceTracker, CostModel, CostPrior
 
 
@@ -495,3 +495,19 @@ def test_goodput_starts_a_request_decoding_alone_from_the_ones_before_it():
     assert seeded.count(8) >= 58  # at the slow pace from the start
     hard = run("hard", False, 400)  # nothing accepted: plain is 2-2.5x faster for this one
     assert hard[0] == 8 and hard[-100:].count(0) >= 80
+
+
+def test_goodput_regime_follows_the_load_not_its_dips():
+    """Batch 4-7 decodes plainly, batch 2-3 speculates: a batch of 4 that loses a request for a
+    few steps (until the client's next one is admitted) stays plain; a batch that stays at 3
+    takes batch 2-3's leader once the last DIP_STEPS decisions saw no bigger batch."""
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)))
+    gate = ctl.policy.gate
+    gate.leader[1], gate.leader[2] = "full", "plain"
+    x = math.log(0.5)  # both speculating arms measured at half plain's speed at batch 4-7
+    gate.pairs[(2, "full")] = gate.pairs[(2, "model")] = [10.0, 10 * x, 10 * x * x]
+    four, three = ["a", "b", "c", "d"], ["a", "b", "c"]
+    nodes = lambda rids: max(b.max_nodes for b in ctl.plan(rids).values())  # noqa: E731
+    assert [nodes(four) for _ in range(3)] == [0, 0, 0]
+    dip = [nodes(three) for _ in range(DIP_STEPS + 1)]
+    assert dip[:DIP_STEPS - 1] == [0] * (DIP_STEPS - 1) and dip[-1] == 8
