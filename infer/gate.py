@@ -33,6 +33,11 @@ MIN_PAIR_STD = 0.25  # floor of a pair's log-ratio std: two pairs never look cer
 # at batch 16 runs at 0.1x of plain decoding on a 2-core CPU, and one 3-step run every 128 decisions
 # cost a fifth of the time there (offline twin of the server, a fresh one at concurrency 16: 0.62x plain).
 EXPLORE_COST = 0.03
+# One pair is enough for an arm doing extra work measured under exp(-FAR_BEHIND) = 0.37x the tokens/s
+# of the cheapest arm while that one leads: its steps add at least the tokens the cheapest arm's add
+# (a tree that accepts nothing still adds the root), so only its cost makes it that slow, not the
+# requests' luck. (A full tree at batch 16 on a 2-core CPU: 0.1x; a second warm-up run costs ~30 steps.)
+FAR_BEHIND = 1.0
 
 
 @dataclass
@@ -102,6 +107,8 @@ class ThroughputGate:
         std = max(math.sqrt(max(q / n - mean * mean, 0.0)), MIN_PAIR_STD)
         if n >= self.min_samples or (n >= 2 and abs(mean) > CONFIDENT * std / math.sqrt(n)):
             return mean
+        if mean < -FAR_BEHIND and self.leader.get(regime) == self.arms[0]:
+            return mean  # one pair says it (see FAR_BEHIND)
         return None
 
     def relative(self, regime, arm) -> float | None:

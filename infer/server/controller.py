@@ -204,8 +204,8 @@ class GoodputPolicy(Policy):
         # The regime follows the load, not its dips: under closed-loop load a finished request
         # leaves the batch one short for the 1-3 steps until its client's next one is admitted
         # and prefilled. At concurrency 4 those steps at batch 3 played the batch-2-3 leader (a
-        # full tree, learnt at concurrency 2) at about half plain decoding's rate, after the
-        # drafter caught up on every row's plain steps: 0.86-0.91x plain over the level.
+        # full tree, learnt at concurrency 2, at ~0.7x plain decoding's rate at batch 3),
+        # after the drafter caught up on every row's plain steps (the level read 0.86-0.91x plain).
         self._sizes.append(len(rids))
         size = max(self._sizes)
         bucket = ThompsonPolicy.bucket(size)

@@ -6,6 +6,7 @@ greedy output equals plain greedy on the tiny target, batch 1 and batch 4 with r
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import numpy as np
@@ -689,3 +690,17 @@ def test_pld_default_budget_is_deeper_on_cpu_only(tiny_target):
     assert pld.default_budget("cuda") is None
     assert Engine(tiny_target, pld, max_batch=1, max_len=64).default_budget == CPU_LOOKUP_BUDGET
     assert CPU_LOOKUP_BUDGET.max_depth > CPU_TREE_BUDGET.max_depth
+
+
+def test_throughput_gate_trusts_one_pair_that_finds_extra_work_far_slower():
+    """While the cheapest arm leads, one pair at 0.2x settles a challenger doing extra work (its
+    tokens per step cannot fall below the leader's, only its cost makes it that slow); one pair
+    at 0.5x does not, nor does one pair that finds the cheapest arm slow while extra work leads."""
+    gate = ThroughputGate(decay=0.95, min_samples=4, explore=32, run=3, arms=("plain", "model", "full"))
+    gate.leader[0] = "plain"
+    for arm, ratio in (("full", 0.2), ("model", 0.5)):
+        gate.pairs[(0, arm)] = [1.0, math.log(ratio), math.log(ratio) ** 2]
+    assert gate.relative(0, "full") == pytest.approx(0.2) and gate.standing(0, "model") is None
+    gate.leader[1] = "full"
+    gate.pairs[(1, "plain")] = [1.0, math.log(0.2), math.log(0.2) ** 2]
+    assert gate.standing(1, "plain") is None
