@@ -40,7 +40,7 @@ from specdec.infer.gate import ThroughputGate
 from .costmodel import AcceptanceTracker, ConfidenceBlend, CostModel
 
 POLICIES = ("goodput", "always", "threshold", "thompson")
-BIG_BUCKET = 3  # batch-size bucket 3 = 8-15 sequences (``ThompsonPolicy.bucket``)
+BIG_BUCKET = 2  # batch-size bucket 2 = 4-7 sequences (``ThompsonPolicy.bucket``)
 DIP_STEPS = 8  # decisions the goodput policy remembers a batch size for (``GoodputPolicy.choose``)
 
 
@@ -240,11 +240,12 @@ class GoodputPolicy(Policy):
             # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
             # where the next smaller one decodes plainly, rather than from the models' guess (their
             # cost model is fitted mostly on smaller batches), and lets the pairs promote speculation.
-            # So does a big batch where no smaller one measured speculation against plain (a server
-            # that starts under heavy load, its small batches seen only for the few steps of the
-            # ramp): there a wrong full-tree start costs up to 10x a plain step per step until the
-            # pairs demote it (offline twin of a fresh server at concurrency 16: 0.62x plain), a
-            # wrong plain start only the gain of the steps until they promote speculation.
+            # So does a batch of 4 or more where no smaller one measured speculation against plain
+            # (a server that starts under heavy load, its small batches seen only for the few steps
+            # of the ramp): there a wrong full-tree start costs up to 10x a plain step per step until
+            # the pairs demote it (offline twin of a fresh server at concurrency 16: 0.62x plain), a
+            # wrong plain start only the gain of the steps until they promote speculation. (Batch
+            # 4-7 too: a fresh server's ramp passes it, and the level's tail comes back to it.)
             default = "plain"
         elif regime not in self.gate.leader:
             # A bucket's first leader, where the models would speculate, is the full tree: at

@@ -83,7 +83,8 @@ def test_acceptance_tracker_censors_unseen_positions():
 def _controller_with(truth, alpha, policy="goodput", **kw):
     ctl = make_controller(policy, grid=budget_grid((0, 2, 4, 8)), **kw)
     feed_cost(ctl, truth, random.Random(1), max_extra=8)
-    rids = [f"r{i}" for i in range(4)]
+    # 3 requests: batch 2-3 takes the models' first call (a fresh batch of 4 or more starts plain)
+    rids = [f"r{i}" for i in range(3)]
     for _ in range(40):  # every request accepts each position with probability alpha (expected)
         for r in rids:
             for lvl in range(1, 4):
@@ -121,7 +122,7 @@ def test_goodput_speculates_when_verification_is_nearly_free():
     assert all(b.max_nodes > 0 for b in plan.values())
     # and the chosen plan is predicted to beat plain decoding by a wide margin
     levels = [ctl.grid.index(plan[r]) for r in rids]
-    assert ctl.predicted_goodput(rids, levels) > 1.5 * ctl.predicted_goodput(rids, [0] * 4)
+    assert ctl.predicted_goodput(rids, levels) > 1.5 * ctl.predicted_goodput(rids, [0] * len(rids))
 
 
 def test_goodput_gives_budget_to_the_request_that_accepts():
@@ -440,25 +441,25 @@ def test_goodput_starts_a_bigger_batch_plain_where_a_smaller_one_decodes_plainly
     cheap = CostPrior(a=0.030, b=0.0, c=0.0001)
     ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
     rids = [f"r{i}" for i in range(32)]
-    assert max(b.max_nodes for b in ctl.plan(rids[:4]).values()) == 8  # bucket 2: the models' call
+    assert max(b.max_nodes for b in ctl.plan(rids[:2]).values()) == 8  # bucket 1: the models' call
     ctl.policy.gate.leader[3] = "plain"  # batch 8-15 measured plain fastest
     assert max(b.max_nodes for b in ctl.plan(rids).values()) == 0
     assert ctl.policy.gate.leader[5] == "plain"
 
 
 def test_goodput_starts_a_big_batch_plain_unless_a_smaller_one_measured_speculation_faster():
-    """From batch 8 on, a new batch size follows the models' call (here: speculate) only where a
+    """From batch 4 on, a new batch size follows the models' call (here: speculate) only where a
     smaller batch size measured speculation against plain and found it faster: a leader there by
     default alone (the few steps of a busy server's ramp) does not count."""
     cheap = CostPrior(a=0.030, b=0.0, c=0.0001)
     rids = [f"r{i}" for i in range(16)]
     nodes = lambda ctl, n: max(b.max_nodes for b in ctl.plan(rids[:n]).values())  # noqa: E731
     fresh = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
-    assert nodes(fresh, 4) == 8 and nodes(fresh, 16) == 0  # bucket 2 by default only: plain at 16
+    assert nodes(fresh, 2) == 8 and nodes(fresh, 16) == 0  # bucket 1 by default only: plain at 16
     measured = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
-    assert nodes(measured, 4) == 8
-    x = math.log(0.7)  # batch 4-7 measured plain at 0.7x the full tree
-    measured.policy.gate.pairs[(2, "plain")] = [4.0, 4 * x, 4 * x * x]
+    assert nodes(measured, 2) == 8
+    x = math.log(0.7)  # batch 2-3 measured plain at 0.7x the full tree
+    measured.policy.gate.pairs[(1, "plain")] = [4.0, 4 * x, 4 * x * x]
     assert nodes(measured, 16) == 8
 
 
