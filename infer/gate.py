@@ -117,12 +117,14 @@ class ThroughputGate:
         return None if s is None else math.exp(s)
 
     # -- the choice --------------------------------------------------------------------------
-    def choose(self, regime, default=None, allowed=None):
+    def choose(self, regime, default=None, allowed=None, patient: bool = False):
         """This step's arm.
 
         The first leader of a regime is ``default`` (e.g. what a model predicts) if given, else
         the arm doing most work. ``allowed``: a subset of the arms to choose from this time (what
-        is known not to pay can be left out)."""
+        is known not to pay can be left out). patient: while the cheapest arm leads, explore the
+        unknown challengers at the steady pace, not the warm-up one (where trying extra work is
+        dear and it is not expected to pay)."""
         n = self.decisions[regime] = self.decisions.get(regime, 0) + 1
         if self._trial is not None and (self._trial.regime != regime or n > self._trial.last):
             self._close_trial()
@@ -134,7 +136,7 @@ class ThroughputGate:
             standing = {a: self.standing(regime, a) for a in arms}
             others = [a for a in arms if a != lead]
             unknown = [a for a in others if standing[a] is None]
-            every = self.warmup_explore if unknown else self.explore
+            every = self.warmup_explore if unknown and not (patient and lead == self.arms[0]) else self.explore
             arm = self._explored(n, every, unknown or others, standing)
             arm = lead if arm is None else arm  # (an arm may be False: no `or`)
             if arm != lead and self._trial is None:  # a run starts: it ends at the period's last decision
