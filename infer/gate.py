@@ -173,7 +173,7 @@ class ThroughputGate:
         if standing[arm] is None or standing[arm] >= math.log(self.clear):
             return arm
         # a run costs (1/r - 1) leader steps per step of it, r the arm's relative speed, plus its
-        # first step's switch (a head catching up on 16 rows' plain steps: ~20 plain steps)
+        # first step's switch (a head catching up on 16 rows' plain steps: ~25 plain steps at batch 16)
         extra = self.run * (math.exp(-standing[arm]) - 1.0) + self.switch.get((regime, arm), 0.0)
         period = max(4, math.ceil(extra / (EXPLORE_COST * every)))  # in the arm's turns
         return None if (k // len(pool)) % period else arm
