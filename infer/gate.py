@@ -49,8 +49,6 @@ class _Run:
     last: int  # the regime's decision number that ends it
     tokens: float = 0.0
     seconds: float = 0.0
-    steps: int = 0  # sampled
-    switch_seconds: float | None = None  # its first step's (not sampled: it pays the switch)
 
 
 class ThroughputGate:
@@ -61,7 +59,7 @@ class ThroughputGate:
     min_samples: pairs of a challenger before its standing is trusted (earlier if clear-cut);
     explore: every explore-th decision of a regime starts a run of ``run`` decisions of a
     challenger (in turn; one clearly, < ``clear`` x, slower only every 4th time or rarer, so that its
-    runs, their measured switch included, cost at most ``EXPLORE_COST`` of the time); warmup_explore:
+    runs cost at most ``EXPLORE_COST`` of the time); warmup_explore:
     the same period while some challenger is not trusted yet (default ``explore``). The first
     step after a switch is not sampled: it pays the switch (a drafter catching up on the tokens it
     skipped), not the arm's steady rate.
@@ -79,7 +77,6 @@ class ThroughputGate:
         self.leader: dict = {}  # regime -> the arm played outside exploration runs
         self.pairs: dict[tuple, list] = {}  # (regime, challenger) -> decayed [n, Σ log ratio, Σ log ratio²]
         self.priors: dict = {}  # regime -> (arm -> log speed, weight) it was seeded with
-        self.switch: dict[tuple, float] = {}  # (regime, arm) -> a run's switch, in leader steps
         self.tokens: dict[tuple, float] = {}  # (regime, arm) -> decayed sums, for rate()
         self.seconds: dict[tuple, float] = {}
         self.samples: dict[tuple, int] = {}
@@ -120,14 +117,12 @@ class ThroughputGate:
         return None if s is None else math.exp(s)
 
     # -- the choice --------------------------------------------------------------------------
-    def choose(self, regime, default=None, allowed=None, patient: bool = False):
+    def choose(self, regime, default=None, allowed=None):
         """This step's arm.
 
         The first leader of a regime is ``default`` (e.g. what a model predicts) if given, else
         the arm doing most work. ``allowed``: a subset of the arms to choose from this time (what
-        is known not to pay can be left out). patient: while the cheapest arm leads, explore the
-        unknown challengers at the steady pace, not the warm-up one (where trying extra work is
-        dear and it is not expected to pay)."""
+        is known not to pay can be left out)."""
         n = self.decisions[regime] = self.decisions.get(regime, 0) + 1
         if self._trial is not None and (self._trial.regime != regime or n > self._trial.last):
             self._close_trial()
@@ -139,8 +134,8 @@ class ThroughputGate:
             standing = {a: self.standing(regime, a) for a in arms}
             others = [a for a in arms if a != lead]
             unknown = [a for a in others if standing[a] is None]
-            every = self.warmup_explore if unknown and not (patient and lead == self.arms[0]) else self.explore
-            arm = self._explored(regime, n, every, unknown or others, standing)
+            every = self.warmup_explore if unknown else self.explore
+            arm = self._explored(n, every, unknown or others, standing)
             arm = lead if arm is None else arm  # (an arm may be False: no `or`)
             if arm != lead and self._trial is None:  # a run starts: it ends at the period's last decision
                 self._trial = _Run(regime, arm, n - n % every + every - 1)
@@ -163,7 +158,7 @@ class ThroughputGate:
             lead = best
         return lead
 
-    def _explored(self, regime, n: int, every: int, pool: list, standing: dict):
+    def _explored(self, n: int, every: int, pool: list, standing: dict):
         """The challenger (from ``pool``, in turn) an exploration run plays at decision n, or None
         outside the runs."""
         if n % every < every - self.run:
@@ -172,9 +167,8 @@ class ThroughputGate:
         arm = pool[k % len(pool)]
         if standing[arm] is None or standing[arm] >= math.log(self.clear):
             return arm
-        # a run costs (1/r - 1) leader steps per step of it, r the arm's relative speed, plus its
-        # first step's switch (a head catching up on 16 rows' plain steps: ~25 plain steps at batch 16)
-        extra = self.run * (math.exp(-standing[arm]) - 1.0) + self.switch.get((regime, arm), 0.0)
+        # a run costs (1/r - 1) leader steps per step of it, r the arm's relative speed
+        extra = self.run * (math.exp(-standing[arm]) - 1.0)
         period = max(4, math.ceil(extra / (EXPLORE_COST * every)))  # in the arm's turns
         return None if (k // len(pool)) % period else arm
 
@@ -231,7 +225,7 @@ class ThroughputGate:
 
     def forget(self, regime) -> None:
         """Drop everything measured in a regime (one that will not come back)."""
-        for table in (self.pairs, self.tokens, self.seconds, self.samples, self.switch):
+        for table in (self.pairs, self.tokens, self.seconds, self.samples):
             for key in [k for k in table if k[0] == regime]:
                 del table[key]
         for table in (self.leader, self.decisions, self._recent, self.priors):
@@ -243,9 +237,6 @@ class ThroughputGate:
     def record(self, regime, arm, tokens: float, seconds: float) -> None:
         """The step's sample: tokens it added in ``seconds`` (not sampled after a switch)."""
         skip, self._skip = self._skip, False
-        run = self._trial
-        if skip and run is not None and (run.regime, run.arm) == (regime, arm) and run.switch_seconds is None:
-            run.switch_seconds = seconds
         if skip or tokens <= 0 or seconds <= 0:
             return
         key = (regime, arm)
@@ -257,7 +248,6 @@ class ThroughputGate:
         elif self._trial is not None and (self._trial.regime, self._trial.arm) == (regime, arm):
             self._trial.tokens += tokens
             self._trial.seconds += seconds
-            self._trial.steps += 1
 
     def _close_trial(self) -> None:
         """One pair: the run's tokens/s against the leader's over the steps just before it."""
@@ -267,9 +257,6 @@ class ThroughputGate:
         ref_tokens, ref_seconds = sum(t for t, _ in ref), sum(s for _, s in ref)
         if tokens <= 0 or ref_tokens <= 0 or arm == self.leader.get(regime):
             return
-        if run.switch_seconds is not None and run.steps:  # the switch's time beyond a step of the arm
-            extra = max((run.switch_seconds - seconds / run.steps) / (ref_seconds / len(ref)), 0.0)
-            self.switch[(regime, arm)] = 0.5 * self.switch.get((regime, arm), extra) + 0.5 * extra
         x = math.log((tokens / seconds) / (ref_tokens / ref_seconds))
         n, s, q = self.pairs.get((regime, arm), (0.0, 0.0, 0.0))
         d = self.decay

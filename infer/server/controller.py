@@ -256,11 +256,7 @@ class GoodputPolicy(Policy):
             # pairs still demote it (0.95-1.09x of plain, as before).
             plan, speculates = self._speculating_plan(ctl, rids)
             default = "full" if speculates else "plain"
-        # From batch 4 on, a plain leader tries speculation at the steady pace from the start: a
-        # warm-up run there costs several plain steps a step (a full tree at batch 16: ~10), and a
-        # level's tail passes many batch sizes for a few steps each (offline twin, a fresh server at
-        # concurrency 16: 107 speculative steps, 19% of the time, most of them warm-up runs).
-        arm = self.gate.choose(regime, default=default, allowed=allowed, patient=big)
+        arm = self.gate.choose(regime, default=default, allowed=allowed)
         self._played = (regime, arm)
         if arm == "full":
             return dict.fromkeys(rids, len(ctl.nodes) - 1)

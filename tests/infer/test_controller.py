@@ -512,13 +512,3 @@ def test_goodput_regime_follows_the_load_not_its_dips():
     assert [nodes(four) for _ in range(3)] == [0, 0, 0]
     dip = [nodes(three) for _ in range(DIP_STEPS + 1)]
     assert dip[:DIP_STEPS - 1] == [0] * (DIP_STEPS - 1) and dip[-1] == 8
-
-
-def test_goodput_tries_speculation_at_the_steady_pace_where_plain_leads_a_big_batch():
-    """A fresh batch of 16 starts plain and tries the speculating arms every 32 decisions (runs of
-    3), not at the warm-up pace (3 of every 8), even before anything is measured there."""
-    cheap = CostPrior(a=0.030, b=0.0, c=0.0001)  # the models would speculate
-    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
-    rids = [f"r{i}" for i in range(16)]
-    played = [max(b.max_nodes for b in ctl.plan(rids).values()) for _ in range(64)]
-    assert played[0] == 0 and sum(n > 0 for n in played) == 6
