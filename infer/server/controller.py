@@ -234,28 +234,30 @@ class GoodputPolicy(Policy):
         # and the model arm's steps. Planning costs ~0.2 ms of Python at batch 4 and ~0.5 at
         # batch 16 (1-2% of a step there), which a plain leader would pay every step for nothing.
         plan = default = None
-        big = bucket >= BIG_BUCKET
-        if regime not in self.gate.leader and self._leader_below(bucket, measured=big) in (
-                ("plain", None) if big else ("plain",)):
-            # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
-            # where the next smaller one decodes plainly, rather than from the models' guess (their
-            # cost model is fitted mostly on smaller batches), and lets the pairs promote speculation.
-            # So does a batch of 4 or more where no smaller one measured speculation against plain
-            # (a server that starts under heavy load, its small batches seen only for the few steps
-            # of the ramp): there a wrong full-tree start costs up to 10x a plain step per step until
-            # the pairs demote it (offline twin of a fresh server at concurrency 16: 0.62x plain), a
-            # wrong plain start only the gain of the steps until they promote speculation. (Batch
-            # 4-7 too: a fresh server's ramp passes it, and the level's tail comes back to it.)
-            default = "plain"
-        elif regime not in self.gate.leader:
-            # A bucket's first leader, where the models would speculate, is the full tree: at
-            # batch 1 their plan picked 3-4 nodes of 12 and the pairs (tokens per step swinging
-            # from 1 to 13 with the copies) seldom overturned it. Offline twin of the server, 24
-            # requests at concurrency 1 (hybrid, bf16): 0.90-0.97x the tokens/s of always-on;
-            # starting from the full tree 1.00-1.08x. At concurrency 4, where plain wins, the
-            # pairs still demote it (0.95-1.09x of plain, as before).
-            plan, speculates = self._speculating_plan(ctl, rids)
-            default = "full" if speculates else "plain"
+        if regime not in self.gate.leader:
+            big = bucket >= BIG_BUCKET
+            below = self._leader_below(bucket, measured=big)
+            if below == "plain" or (big and below is None):
+                # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
+                # where the next smaller one decodes plainly, rather than from the models' guess (their
+                # cost model is fitted mostly on smaller batches), and lets the pairs promote
+                # speculation. So does a batch of 4 or more where no smaller one measured speculation
+                # against plain (a server that starts under heavy load, its small batches seen only for
+                # the few steps of the ramp): there a wrong full-tree start costs up to 10x a plain step
+                # per step until the pairs demote it (offline twin of a fresh server at concurrency 16:
+                # 0.62x plain), a wrong plain start only the gain of the steps until they promote
+                # speculation. (Batch 4-7 too: a fresh server's ramp passes it, and the level's tail
+                # comes back to it.)
+                default = "plain"
+            else:
+                # A bucket's first leader, where the models would speculate, is the full tree: at
+                # batch 1 their plan picked 3-4 nodes of 12 and the pairs (tokens per step swinging
+                # from 1 to 13 with the copies) seldom overturned it. Offline twin of the server, 24
+                # requests at concurrency 1 (hybrid, bf16): 0.90-0.97x the tokens/s of always-on;
+                # starting from the full tree 1.00-1.08x. At concurrency 4, where plain wins, the
+                # pairs still demote it (0.95-1.09x of plain, as before).
+                plan, speculates = self._speculating_plan(ctl, rids)
+                default = "full" if speculates else "plain"
         arm = self.gate.choose(regime, default=default, allowed=allowed)
         self._played = (regime, arm)
         if arm == "full":
@@ -298,10 +300,10 @@ class GoodputPolicy(Policy):
 
     def _leader_below(self, bucket: int, measured: bool = False):
         """The arm leading at the nearest smaller batch-size bucket that has one (None: none);
-        measured: only a leader that pairs with plain decoding put there (or plain itself)."""
+        measured: only where plain decoding's standing there is known (plain leads, or pairs rate it)."""
         g = self.gate
-        return next((g.leader[b] for b in range(bucket - 1, -1, -1) if b in g.leader
-                     and (not measured or g.leader[b] == "plain" or g.relative(b, "plain") is not None)), None)
+        return next((g.leader[b] for b in range(bucket - 1, -1, -1)
+                     if b in g.leader and (not measured or g.relative(b, "plain") is not None)), None)
 
     def _speculating_plan(self, ctl, rids) -> tuple[dict, bool]:
         """The plan the model arm plays and whether the models expect it to beat plain decoding.
