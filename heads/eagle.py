@@ -50,6 +50,12 @@ class EagleFamily(DraftHead):
         """raw [..., D] -> the step-0 input feature [..., H] (EAGLE-3: fc over 3 layers)."""
         raise NotImplementedError
 
+    def draft_feature_spec(self) -> FeatureSpec:
+        """What drafting reads per token: `raw_feature`'s input only (`feature_spec` adds what
+        training reads, e.g. EAGLE-3's teacher `hidden`). The engine keeps these per token of every
+        running and prefix-cached sequence."""
+        return FeatureSpec(hidden=True)
+
     def input_feature(self, features: dict[str, Tensor]) -> Tensor:
         """Step-0 input feature [..., H] from captured/runtime target features."""
         return self.fuse_feature(self.raw_feature(features))
@@ -267,6 +273,12 @@ class EagleHead(EagleFamily):
 # Measured with the EAGLE-3 CPU recipe's head on 6 Spec-Bench prompts (bf16, 2 cores): minimum
 # frontier mass 0 / 0.1 / 0.15 / 0.25 -> 35.0 / 38.6 / 41.5 / 42.5 tok/s at the same tau (1.58-1.60).
 CPU_MIN_FRONTIER_MASS = 0.25
+# Pairs one propose runs through the head at most on a CPU, shared by its rows (each keeps at
+# least MIN_CATCHUP_WINDOW): ~70 ms of the 2-core CPU. Only long backlogs are cut (a prompt, or a
+# server row that decoded plainly); Spec-Bench tau at batch 1 with the prompt cut to its last
+# 64 / 32 / 16 pairs: 1.507 / 1.477 / 1.473 against 1.519 whole (docs/BENCHMARKS.md, session 37).
+CPU_CATCHUP_PAIRS = 512
+MIN_CATCHUP_WINDOW = 16
 
 
 class EagleDrafter:
@@ -282,13 +294,19 @@ class EagleDrafter:
     """
 
     def __init__(self, head: EagleFamily, max_batch: int = 1, max_len: int = 2048,
-                 min_frontier_mass: float | None = None, draft_vocab: int | None = DRAFT_VOCAB, **unknown):
+                 min_frontier_mass: float | None = None, draft_vocab: int | None = DRAFT_VOCAB,
+                 catchup_pairs: int | str | None = "auto", **unknown):
         if unknown:
             raise ValueError(f"unknown {head.head_type()} drafter option(s) {sorted(unknown)}; "
-                             "known: max_batch, max_len, min_frontier_mass, draft_vocab")
-        self.head = head.eval()
-        self.feature_spec = head.feature_spec()
+                             "known: max_batch, max_len, min_frontier_mass, draft_vocab, catchup_pairs")
         p = next(head.parameters())
+        if catchup_pairs == "auto":  # on a GPU a backlog runs in parallel: no limit
+            catchup_pairs = CPU_CATCHUP_PAIRS if p.device.type == "cpu" else None
+        if catchup_pairs is not None and catchup_pairs < 1:
+            raise ValueError(f"catchup_pairs={catchup_pairs} must be at least 1 (or None: no limit)")
+        self.catchup_pairs = catchup_pairs
+        self.head = head.eval()
+        self.feature_spec = head.draft_feature_spec()
         self.dtype, self.device = p.dtype, p.device
         # Deeper tree levels only while they promise enough (heads.tree.expand_dynamic_tree):
         # a level is a large share of a CPU step, a small one of a GPU step.
@@ -311,6 +329,8 @@ class EagleDrafter:
         # chunks ([m, D] raw, [m]) of committed pairs not yet run; appended, joined when run
         self.pending: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(max_batch)]
         self.root_written: list[int | None] = [None] * max_batch
+        # first cache position each slot attends to (> 0 once a catch-up skipped older pairs)
+        self.start = torch.zeros(max_batch, dtype=torch.long, device=self.device)
 
     def _features(self, features: dict[str, Tensor]) -> Tensor:
         """The raw feature [m, D] kept per token (fused in `_run_pending`)."""
@@ -342,18 +362,35 @@ class EagleDrafter:
         self.last[slot] = feats[-1]
 
     def release(self, slot: int) -> None:
-        self.cache.lens[slot] = 0
+        self.cache.lens[slot] = self.start[slot] = 0
         self.last[slot] = self.root_written[slot] = None
         self.pending[slot] = []
+
+    def _windowed(self, slot: int, window: int | None) -> list[tuple[Tensor, Tensor]]:
+        """The slot's pending chunks, cut to their last `window` pairs. A row that decoded plainly
+        for long (a server's big batch) would otherwise run its whole backlog through the head
+        before its first draft: 16 rows x ~200 pairs took ~0.6 s on the 2-core CPU, the time of
+        ~25 plain steps. The skipped pairs' positions stay unwritten and, with everything before
+        them, out of the head's attention (`start`); rotary positions stay absolute. Drafts lose
+        some context, never correctness: the target verifies every draft."""
+        chunks = self.pending[slot]
+        n = sum(t.numel() for _, t in chunks)
+        if window is None or n <= window:
+            return chunks
+        skip = n - window
+        self.cache.lens[slot] += skip
+        self.start[slot] = self.cache.lens[slot]
+        return [(torch.cat([f for f, _ in chunks])[skip:], torch.cat([t for _, t in chunks])[skip:])]
 
     def _run_pending(self, slots: list[int], roots: Tensor | None = None) -> Tensor | None:
         """Run each slot's pending pairs (+ its root pair (last, root) when roots [B] are given)
         in one padded batch, writing their K/V to the cache. Returns the roots' outputs [B, H]."""
         rows = []  # per slot: its chunks of (raw features, tokens), the root pair last
+        window = None if self.catchup_pairs is None else max(MIN_CATCHUP_WINDOW, self.catchup_pairs // len(slots))
         for i, s in enumerate(slots):
             if self.last[s] is None:
                 raise RuntimeError(f"slot {s} has no sequence: call prefill before propose/commit")
-            rows.append(self.pending[s] + ([(self.last[s][None], roots[i:i + 1])] if roots is not None else []))
+            rows.append(self._windowed(s, window) + ([(self.last[s][None], roots[i:i + 1])] if roots is not None else []))
         sizes = [sum(t.numel() for _, t in chunks) for chunks in rows]
         B, Q = len(slots), max(sizes)
         if Q == 0:
@@ -372,7 +409,8 @@ class EagleDrafter:
         lens = self.cache.lens[slot_t]                                   # [B]
         P = int(lens.max())
         ar = torch.arange(max(P, Q), device=self.device)
-        past_ok = ar[None, None, :P] < lens[:, None, None]                  # [B, 1, P]
+        start = self.start[slot_t]
+        past_ok = (ar[None, None, :P] < lens[:, None, None]) & (ar[None, None, :P] >= start[:, None, None])
         cur_ok = (ar[None, :Q, None] >= ar[None, None, :Q]) & (ar[None, None, :Q] < counts[:, None, None])
         mask = torch.cat([past_ok.expand(B, Q, P), cur_ok | torch.eye(Q, dtype=torch.bool,
                                                                       device=self.device)], -1)
@@ -403,7 +441,8 @@ class EagleDrafter:
         root_pos = self.cache.lens[slot_t]                                # root pair's position
         S = int(root_pos.max()) + 1
         past_k, past_v = self.cache.read(slot_t, S)
-        prefix_ok = torch.arange(S, device=self.device)[None] <= root_pos[:, None]   # [B, S]
+        ar = torch.arange(S, device=self.device)[None]
+        prefix_ok = (ar <= root_pos[:, None]) & (ar >= self.start[slot_t][:, None])  # [B, S]
         C = num_dynamic_candidates(budget)
         attn = self.head.layers[0].self_attn
         tree_k = torch.zeros(B, attn.num_kv_heads, C, attn.head_dim, device=self.device, dtype=self.dtype)

@@ -192,6 +192,12 @@ class Eagle3Head(EagleFamily):
         # the target's argmax: measured a third of a CPU step.
         return FeatureSpec(hidden=True, aux_layers=tuple(self.config.aux_layers), topk_logits=1)
 
+    def draft_feature_spec(self) -> FeatureSpec:
+        # aux only: the teacher's `hidden` would cost the engine a third more per kept token (a
+        # prefix cache of 1 GB then held fewer prompts: the hybrid server at concurrency 32 reused
+        # 29k prompt tokens where the plain one reused 47k, docs/BENCHMARKS.md session 37).
+        return FeatureSpec(hidden=False, aux_layers=tuple(self.config.aux_layers))
+
     def raw_feature(self, features: dict[str, Tensor]) -> Tensor:
         aux = features.get("aux")
         if aux is None:

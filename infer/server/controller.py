@@ -42,6 +42,7 @@ from .costmodel import AcceptanceTracker, ConfidenceBlend, CostModel
 POLICIES = ("goodput", "always", "threshold", "thompson")
 BIG_BUCKET = 2  # batch-size bucket 2 = 4-7 sequences (``ThompsonPolicy.bucket``)
 DIP_STEPS = 8  # decisions the goodput policy remembers a batch size for (``GoodputPolicy.choose``)
+MODEL_PRIOR_WEIGHT = 2.0  # pairs the models' call is worth where a big batch starts plain (``_seed_behind``)
 
 
 def budget_grid(nodes=(0, 2, 4, 8, 16, 32), max_depth: int = 6, topk: int = 4) -> list[TreeBudget]:
@@ -249,6 +250,7 @@ class GoodputPolicy(Policy):
                 # speculation. (Batch 4-7 too: a fresh server's ramp passes it, and the level's tail
                 # comes back to it.)
                 default = "plain"
+                self._seed_behind(ctl, rids, regime)
             else:
                 # A bucket's first leader, where the models would speculate, is the full tree: at
                 # batch 1 their plan picked 3-4 nodes of 12 and the pairs (tokens per step swinging
@@ -256,8 +258,8 @@ class GoodputPolicy(Policy):
                 # requests at concurrency 1 (hybrid, bf16): 0.90-0.97x the tokens/s of always-on;
                 # starting from the full tree 1.00-1.08x. At concurrency 4, where plain wins, the
                 # pairs still demote it (0.95-1.09x of plain, as before).
-                plan, speculates = self._speculating_plan(ctl, rids)
-                default = "full" if speculates else "plain"
+                plan, ratio = self._speculating_plan(ctl, rids)
+                default = "full" if ratio > 1.0 else "plain"
         arm = self.gate.choose(regime, default=default, allowed=allowed)
         self._played = (regime, arm)
         if arm == "full":
@@ -305,8 +307,25 @@ class GoodputPolicy(Policy):
         return next((g.leader[b] for b in range(bucket - 1, -1, -1)
                      if b in g.leader and (not measured or g.relative(b, "plain") is not None)), None)
 
-    def _speculating_plan(self, ctl, rids) -> tuple[dict, bool]:
-        """The plan the model arm plays and whether the models expect it to beat plain decoding.
+    def _seed_behind(self, ctl, rids, regime) -> None:
+        """Where a big batch starts plain, the speculating arms the models predict slower than
+        plain decoding start as if ``MODEL_PRIOR_WEIGHT`` pairs had measured them so: the gate then
+        paces their runs by that (``EXPLORE_COST``) instead of trying each every 8th step until 4
+        pairs trust it, and their own pairs overrule the guess as they come. A level's tail passes
+        batch 13 to 4 in some 100 steps, each batch size new to the gate: offline twin of the server
+        at concurrency 16, the tail speculated 3 steps in 11 at 0.2-0.5x plain's rate, and the
+        models had put both arms at 0.3-0.5x. Arms predicted faster stay unknown: the models'
+        optimism at big batches is what the plain start guards against."""
+        exp = ctl.expected_tokens(rids)
+        plain = ctl.predicted_goodput(rids, [0] * len(rids), exp, padded=True)
+        full = ctl.predicted_goodput(rids, [len(ctl.nodes) - 1] * len(rids), exp, padded=True) / plain
+        behind = {arm: math.log(r) for arm, r in (("model", self._speculating_plan(ctl, rids)[1]),
+                                                  ("full", full)) if r < 1.0}
+        if behind:
+            self.gate.seed(regime, {"plain": 0.0, **behind}, MODEL_PRIOR_WEIGHT)
+
+    def _speculating_plan(self, ctl, rids) -> tuple[dict, float]:
+        """The plan the model arm plays and its predicted tokens/s relative to plain decoding.
         The arm must speculate: the models' plan (hysteresis applied), or the best uniform
         level where that one is plain or, priced as the engine verifies it (every row padded to
         the widest tree), worth less: a mixed plan, one request drafting 12 nodes beside a plain
@@ -319,7 +338,7 @@ class GoodputPolicy(Policy):
         best, worth = uniform, padded(uniform)
         if any(levels) and (mine := padded(levels)) >= worth:
             best, worth = levels, mine
-        return dict(zip(rids, best)), worth > padded([0] * len(rids))
+        return dict(zip(rids, best)), worth / padded([0] * len(rids))
 
     def _arms(self, bucket: int) -> tuple:
         """A speculating arm is left out of a bucket once a smaller batch measured it slower than

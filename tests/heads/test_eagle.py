@@ -90,7 +90,10 @@ def test_drafter_proposes_valid_trees_for_a_batch(tiny_target, kit, name):
     spec = head.feature_spec()
     # grow every level (a random head's flat drafts would stop the CPU default at depth 1)
     drafter = head.new_drafter(tiny_target, max_batch=3, max_len=64, min_frontier_mass=0.0)
-    assert isinstance(drafter, Drafter) and drafter.feature_spec == spec
+    assert isinstance(drafter, Drafter) and drafter.feature_spec == head.draft_feature_spec()
+    # drafting reads raw_feature's input only: EAGLE-3 the aux layers, not the teacher's hidden
+    assert drafter.feature_spec.aux_layers == spec.aux_layers and drafter.feature_spec.topk_logits == 0
+    assert drafter.feature_spec.hidden == (name == "eagle")
     seqs = [torch.randint(0, 256, (n,)) for n in (9, 17)]
     for slot, s in zip((2, 0), seqs):
         f = kit.features(tiny_target, s[None], aux_layers=spec.aux_layers)
@@ -172,6 +175,47 @@ def test_commit_equals_prefilling_everything(tiny_target, kit, name):
     assert torch.allclose(ta.scores, tb.scores, rtol=1e-4)
     a.release(0)
     assert int(a.cache.lens[0]) == 0
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_a_long_backlog_is_cut_to_its_last_pairs(tiny_target, kit, name):
+    """catchup_pairs bounds what one propose runs through the head, shared by its rows: a row
+    keeps its last max(16, catchup_pairs // rows) pending pairs and attends to nothing older.
+    Rotary attention depends on distances only, so it drafts as a drafter that saw the tail alone."""
+    from specdec.heads.eagle import MIN_CATCHUP_WINDOW
+
+    torch.manual_seed(7)
+    head = get_head_class(name).from_target(tiny_target, **HEADS[name])
+    seq = torch.randint(0, 256, (48,))
+    f = {k: v[0] for k, v in kit.features(tiny_target, seq[None],
+                                          aux_layers=head.feature_spec().aux_layers).items()}
+    budget, n = TreeBudget(8, 3, 3), 40                               # 39 pending pairs
+    for rows, pairs in ((1, 4), (2, 40)):
+        window = max(MIN_CATCHUP_WINDOW, pairs // rows)                # 16, then 20
+        cut = head.new_drafter(tiny_target, max_batch=2, max_len=64, catchup_pairs=pairs,
+                                  min_frontier_mass=0.0)
+        tail = head.new_drafter(tiny_target, max_batch=2, max_len=64, catchup_pairs=None,
+                                   min_frontier_mass=0.0)
+        skip = n - 1 - window
+        for s in range(rows):
+            cut.prefill(s, seq[:n], {k: v[:n] for k, v in f.items()})
+            tail.prefill(s, seq[skip:n], {k: v[skip:n] for k, v in f.items()})
+        slots, roots = torch.arange(rows), seq[n:n + 1].repeat(rows)
+        ta, tb = cut.propose(slots, roots, budget), tail.propose(slots, roots, budget)
+        assert torch.equal(ta.tokens, tb.tokens) and torch.equal(ta.parents, tb.parents)
+        assert torch.allclose(ta.scores, tb.scores, rtol=1e-4, atol=1e-6)
+        assert cut.start[:rows].tolist() == [skip] * rows
+        assert cut.cache.lens[:rows].tolist() == [n - 1] * rows       # positions stay absolute
+        cut.commit(0, seq[n:n + 2], {k: v[n:n + 2] for k, v in f.items()})
+        assert int(cut.cache.lens[0]) == n and int(cut.start[0]) == skip
+        cut.release(0)
+        assert int(cut.start[0]) == 0 == int(cut.cache.lens[0])
+    whole = head.new_drafter(tiny_target, max_batch=1, max_len=64, catchup_pairs=None)
+    whole.prefill(0, seq[:n], {k: v[:n] for k, v in f.items()})
+    whole.propose(torch.tensor([0]), seq[n:n + 1], budget)
+    assert int(whole.start[0]) == 0 and int(whole.cache.lens[0]) == n - 1
+    with pytest.raises(ValueError, match="catchup_pairs=0"):
+        head.new_drafter(tiny_target, catchup_pairs=0)
 
 
 @pytest.mark.parametrize("name", HEADS)

@@ -293,10 +293,10 @@ def test_model_arm_prices_plans_as_the_engine_pads_them():
     assert best_plan(exp, ctl.used, lambda n, g: ctl.step_time(2, n, g)) == [0, 3]
     planned, model_plan = [], ctl.policy._model_plan
     ctl.policy._model_plan = lambda *a: planned.append(1) or model_plan(*a)
-    plan, speculates = ctl.policy._speculating_plan(ctl, rids)
-    assert plan == {"a": 2, "b": 2} and speculates
+    plan, ratio = ctl.policy._speculating_plan(ctl, rids)
     assert len(planned) == 1  # one plan a step: it advances the hysteresis
     padded = lambda lv: ctl.predicted_goodput(rids, lv, exp, padded=True)  # noqa: E731
+    assert plan == {"a": 2, "b": 2} and ratio == pytest.approx(padded([2, 2]) / padded([0, 0])) and ratio > 1
     assert padded([2, 2]) > padded([0, 3]) > padded([0, 0])
     assert ctl.predicted_goodput(rids, [0, 3], exp) > ctl.predicted_goodput(rids, [2, 2], exp)
 
@@ -512,3 +512,34 @@ def test_goodput_regime_follows_the_load_not_its_dips():
     assert [nodes(four) for _ in range(3)] == [0, 0, 0]
     dip = [nodes(three) for _ in range(DIP_STEPS + 1)]
     assert dip[:DIP_STEPS - 1] == [0] * (DIP_STEPS - 1) and dip[-1] == 8
+
+
+@pytest.mark.parametrize("models_say_behind", [True, False])
+def test_goodput_paces_a_big_batch_by_the_models_where_they_put_speculation_far_behind(models_say_behind):
+    """A batch of 8 new to the gate starts plain; where the models predict both speculating arms far
+    slower than plain (every verified token costs a step), they start as measured so and are tried
+    at the slow arms' pace, not every 8th step until 4 pairs each trust them; where the models
+    predict speculation faster, the arms start unknown and are measured at the warm-up pace."""
+    dear = CostPrior(a=0.001, b=0.0, c=0.010)
+    cheap = CostPrior(a=0.030, b=0.0, c=0.0001)
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)),
+                          cost=CostModel(prior=dear if models_say_behind else cheap))
+    rids = [f"r{i}" for i in range(8)]
+    speed = {0: 100.0, 2: 45.0, 8: 30.0}
+    played = []
+    for _ in range(96):
+        nodes = max(b.max_nodes for b in ctl.plan(rids).values())
+        played.append(nodes)
+        tokens = len(rids) * (1 + min(nodes, 1))
+        ctl.observe(StepObservation(batch_size=len(rids), tokens=len(rids) * (1 + nodes), seconds=1.0,
+                                    decode_seconds=tokens / speed[nodes], accepted={r: min(nodes, 1) for r in rids}))
+    spec = sum(n > 0 for n in played)
+    assert played[0] == 0 and ctl.policy.gate.leader[3] == "plain"
+    if models_say_behind:
+        speeds, weight = ctl.policy.gate.priors[3]
+        assert weight == 2.0 and speeds["plain"] == 0.0
+        assert math.exp(speeds["model"]) < 0.7 and math.exp(speeds["full"]) < 0.3
+        assert 0 < spec <= 6   # the first run of each arm, then the slow arms' pace
+    else:
+        assert 3 not in ctl.policy.gate.priors
+        assert spec >= 15      # 3 steps in every 8 until each arm has its pairs

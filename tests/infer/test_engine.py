@@ -379,6 +379,38 @@ def test_random_head_drafts_losslessly(tiny_target, plain_outputs, head_type, ba
         assert out.token_ids == plain_outputs[rid].token_ids[:24], (head_type, rid)
 
 
+def test_a_cut_catchup_stays_lossless(tiny_target, plain_outputs):
+    """Rows that decode plainly for a while, then draft with an EAGLE-3 drafter whose catch-up is
+    cut (catchup_pairs): drafts from a partial context, the same greedy tokens."""
+    from specdec.heads import get_head_class
+    from specdec.infer.engine import PLAIN
+
+    torch.manual_seed(0)
+    head = get_head_class("eagle3").from_target(tiny_target).eval()
+    drafter = head.new_drafter(tiny_target, catchup_pairs=8)
+    cuts = []
+    windowed = drafter._windowed
+
+    def recording(slot, window):
+        chunks = windowed(slot, window)
+        cuts.append(chunks is not drafter.pending[slot])
+        return chunks
+
+    drafter._windowed = recording
+    engine = Engine(tiny_target, drafter, max_batch=4, max_len=256)
+    prompts = prompts_of(tiny_target.tokenizer, 4)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    final, step = {}, 0
+    while engine.has_unfinished():
+        budget = {rid: TreeBudget(8, 4, 2) if step % 20 >= 17 else PLAIN for rid in prompts}
+        final.update((out.request_id, out) for out in engine.step(budget) if out.finished)
+        step += 1
+    for rid, out in final.items():
+        assert out.token_ids == plain_outputs[rid].token_ids, rid
+    assert sum(cuts) >= 6, "the backlogs should have been cut"
+
+
 def test_head_folder_drafts_in_the_targets_dtype(tiny_target, tiny_target_dir, tmp_path):
     """Heads are saved in fp32; loaded beside a bf16 target they must draft in bf16 (an fp32 head
     there measured 2x slower drafting), through the head methods and the hybrid alike."""
