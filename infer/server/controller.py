@@ -250,7 +250,7 @@ class GoodputPolicy(Policy):
                 # speculation. (Batch 4-7 too: a fresh server's ramp passes it, and the level's tail
                 # comes back to it.)
                 default = "plain"
-                self._seed_behind(ctl, rids, regime)
+                plan = self._seed_behind(ctl, rids, regime)
             else:
                 # A bucket's first leader, where the models would speculate, is the full tree: at
                 # batch 1 their plan picked 3-4 nodes of 12 and the pairs (tokens per step swinging
@@ -307,7 +307,7 @@ class GoodputPolicy(Policy):
         return next((g.leader[b] for b in range(bucket - 1, -1, -1)
                      if b in g.leader and (not measured or g.relative(b, "plain") is not None)), None)
 
-    def _seed_behind(self, ctl, rids, regime) -> None:
+    def _seed_behind(self, ctl, rids, regime) -> dict:
         """Where a big batch starts plain, the speculating arms the models predict slower than
         plain decoding start as if ``MODEL_PRIOR_WEIGHT`` pairs had measured them so: the gate then
         paces their runs by that (``EXPLORE_COST``) instead of trying each every 8th step until 4
@@ -315,14 +315,15 @@ class GoodputPolicy(Policy):
         batch 13 to 4 in some 100 steps, each batch size new to the gate: offline twin of the server
         at concurrency 16, the tail speculated 3 steps in 11 at 0.2-0.5x plain's rate, and the
         models had put both arms at 0.3-0.5x. Arms predicted faster stay unknown: the models'
-        optimism at big batches is what the plain start guards against."""
+        optimism at big batches is what the plain start guards against. -> the model arm's plan."""
         exp = ctl.expected_tokens(rids)
         plain = ctl.predicted_goodput(rids, [0] * len(rids), exp, padded=True)
         full = ctl.predicted_goodput(rids, [len(ctl.nodes) - 1] * len(rids), exp, padded=True) / plain
-        behind = {arm: math.log(r) for arm, r in (("model", self._speculating_plan(ctl, rids)[1]),
-                                                  ("full", full)) if r < 1.0}
+        plan, model = self._speculating_plan(ctl, rids)
+        behind = {arm: math.log(r) for arm, r in (("model", model), ("full", full)) if r < 1.0}
         if behind:
             self.gate.seed(regime, {"plain": 0.0, **behind}, MODEL_PRIOR_WEIGHT)
+        return plan
 
     def _speculating_plan(self, ctl, rids) -> tuple[dict, float]:
         """The plan the model arm plays and its predicted tokens/s relative to plain decoding.
