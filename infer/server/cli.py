@@ -44,7 +44,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
 
     from .app import ServerConfig, create_app
     from .controller import ConfidenceTap, budget_grid, make_controller
-    from .costmodel import CostModel
+    from .costmodel import CostModel, default_prior
     from .metrics import ServerMetrics
     from .scheduler import Scheduler, TorchThread
 
@@ -71,7 +71,8 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
         if spec_nodes is None:
             spec_nodes = [0] + [n for n in (2, 4, 8, 16, 32, 64, 128) if n < top.max_nodes] + [top.max_nodes]
         grid = budget_grid(spec_nodes, max_depth=spec_depth or top.max_depth, topk=spec_topk or top.topk)
-        cost = CostModel.load(cost_profile) if cost_profile and Path(cost_profile).exists() else None
+        cost = (CostModel.load(cost_profile) if cost_profile and Path(cost_profile).exists()
+                else CostModel(prior=default_prior(device)))
         controller = make_controller(policy, grid=grid, cost=cost, fixed_nodes=fixed_nodes,
                                      disable_batch_size=disable_batch_size)
     name = served_model_name or target.name

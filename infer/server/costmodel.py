@@ -48,6 +48,20 @@ class CostPrior:
         return np.array([getattr(self, t) for t in _TERMS]) * _SCALES
 
 
+# A CPU computes every verified token: the 2-core AVX-512 machine (bf16, SmolLM2-135M) decodes one
+# token in ~10.5 ms and batch 16 in 20-28 ms, verifies 13 tokens in 15-20 ms and a full tree at batch 16
+# (208 tokens) in 130-140 ms: ~0.6 ms a token, little per sequence beyond it. With speculation off the
+# data cannot split per-sequence from per-token cost (N == B), so the prior's split stays: the default
+# one (GPU-like: tokens nearly free) had the models of a fresh server put the full tree at 0.89x plain at
+# batch 16 (measured ~0.2x), and the gate then explored it (docs/BENCHMARKS.md, session 37).
+CPU_PRIOR = CostPrior(a=0.010, b=0.0001, c=0.0006, e=0.0006, g=0.003)
+
+
+def default_prior(device) -> CostPrior:
+    """The cost prior for a device: ``CPU_PRIOR`` on a CPU, else the default (GPU-like) one."""
+    return CPU_PRIOR if str(device).startswith("cpu") else CostPrior()
+
+
 class CostModel:
     """Online least-squares model of one step's wall time."""
 
