@@ -543,3 +543,19 @@ def test_goodput_paces_a_big_batch_by_the_models_where_they_put_speculation_far_
     else:
         assert 3 not in ctl.policy.gate.priors
         assert spec >= 15      # 3 steps in every 8 until each arm has its pairs
+
+
+def test_cpu_prior_prices_verified_tokens_that_plain_steps_cannot():
+    """Plain steps alone (one token a sequence) cannot split a step's cost between sequences and
+    tokens: the prior's split stays. With plain steps timed as on the 2-core CPU, the CPU prior
+    prices a 9-token tree per row at batch 16 at ~4.8 plain steps, the GPU-like default at ~2.6."""
+    from specdec.infer.server.costmodel import CPU_PRIOR, default_prior
+
+    assert default_prior("cpu") is CPU_PRIOR and default_prior("cuda:0") == CostPrior()
+    ratios = {}
+    for name, prior in (("cpu", CPU_PRIOR), ("default", CostPrior())):
+        cost = CostModel(prior=prior)
+        for b in (8, 12, 16, 16, 24, 32) * 20:
+            cost.observe(b, b, 0.010 + 0.0007 * b)
+        ratios[name] = cost.predict(16, 16 * 9, 0, 1) / cost.predict(16, 16)
+    assert ratios["cpu"] > 4.0 > 3.0 > ratios["default"]
