@@ -302,8 +302,9 @@ class EagleDrafter:
         p = next(head.parameters())
         if catchup_pairs == "auto":  # on a GPU a backlog runs in parallel: no limit
             catchup_pairs = CPU_CATCHUP_PAIRS if p.device.type == "cpu" else None
-        if catchup_pairs is not None and catchup_pairs < 1:
-            raise ValueError(f"catchup_pairs={catchup_pairs} must be at least 1 (or None: no limit)")
+        if catchup_pairs is not None and (not isinstance(catchup_pairs, int) or catchup_pairs < 1):
+            raise ValueError(f"catchup_pairs={catchup_pairs!r} must be a whole number of at least 1, "
+                             "'auto' (the device's default) or None (no limit)")
         self.catchup_pairs = catchup_pairs
         self.head = head.eval()
         self.feature_spec = head.draft_feature_spec()

@@ -214,8 +214,9 @@ def test_a_long_backlog_is_cut_to_its_last_pairs(tiny_target, kit, name):
     whole.prefill(0, seq[:n], {k: v[:n] for k, v in f.items()})
     whole.propose(torch.tensor([0]), seq[n:n + 1], budget)
     assert int(whole.start[0]) == 0 and int(whole.cache.lens[0]) == n - 1
-    with pytest.raises(ValueError, match="catchup_pairs=0"):
-        head.new_drafter(tiny_target, catchup_pairs=0)
+    for bad in (0, "many", 2.5):
+        with pytest.raises(ValueError, match=f"catchup_pairs={bad!r}"):
+            head.new_drafter(tiny_target, catchup_pairs=bad)
 
 
 @pytest.mark.parametrize("name", HEADS)
