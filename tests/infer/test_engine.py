@@ -104,15 +104,18 @@ class RandomTreeDrafter:
 
 
 def run(engine: Engine, prompts: dict, params, budget=None) -> dict:
-    """Add every prompt, step to the end; -> {id: final RequestOutput}, checking the stream."""
+    """Add every prompt, step to the end; -> {id: final RequestOutput}, checking the stream.
+    budget: what ``step`` takes, or a function of the step's index returning it."""
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params[rid] if isinstance(params, dict) else params)
     final, streamed = {}, collections.defaultdict(str)
+    step = 0
     while engine.has_unfinished():
-        for out in engine.step(budget):
+        for out in engine.step(budget(step) if callable(budget) else budget):
             streamed[out.request_id] += out.new_text
             if out.finished:
                 final[out.request_id] = out
+        step += 1
     for rid, out in final.items():
         assert streamed[rid] == out.text, "streamed deltas must add up to the final text"
     return final
@@ -183,14 +186,10 @@ def test_plain_steps_reach_the_drafter_before_it_drafts(tiny_target, plain_outpu
     drafter.commit = lambda slot, ids, feats: commits.append(len(ids)) or commit(slot, ids, feats)
     drafter.propose = checked_propose
     engine = Engine(tiny_target, drafter, max_batch=4, max_len=256)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params)
-    final, step = {}, 0
-    while engine.has_unfinished():  # 4 plain steps, then one that drafts; r3 never drafts
-        budget = {rid: BUDGET if step % 5 == 4 and rid != "r3" else engine_mod.PLAIN for rid in prompts}
-        final.update((out.request_id, out) for out in engine.step(budget) if out.finished)
-        step += 1
+    # 4 plain steps, then one that drafts; r3 never drafts
+    final = run(engine, prompts, SamplingParams(max_tokens=40, ignore_eos=True),
+                budget=lambda step: {rid: BUDGET if step % 5 == 4 and rid != "r3" else engine_mod.PLAIN
+                                     for rid in prompts})
     for rid, out in final.items():
         assert out.token_ids == plain_outputs[rid].token_ids, rid
     assert proposed and all(proposed), "the drafter drafted from a history without the plain steps"
@@ -399,13 +398,8 @@ def test_a_cut_catchup_stays_lossless(tiny_target, plain_outputs):
     drafter._windowed = recording
     engine = Engine(tiny_target, drafter, max_batch=4, max_len=256)
     prompts = prompts_of(tiny_target.tokenizer, 4)
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
-    final, step = {}, 0
-    while engine.has_unfinished():
-        budget = {rid: TreeBudget(8, 4, 2) if step % 20 >= 17 else PLAIN for rid in prompts}
-        final.update((out.request_id, out) for out in engine.step(budget) if out.finished)
-        step += 1
+    final = run(engine, prompts, SamplingParams(max_tokens=40, ignore_eos=True),
+                budget=lambda step: {rid: TreeBudget(8, 4, 2) if step % 20 >= 17 else PLAIN for rid in prompts})
     for rid, out in final.items():
         assert out.token_ids == plain_outputs[rid].token_ids, rid
     assert sum(cuts) >= 6, "the backlogs should have been cut"
