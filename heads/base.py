@@ -56,6 +56,8 @@ class Drafter(Protocol):
     """One proposer API for every method (see docs/ARCHITECTURE.md for the timeline)."""
 
     feature_spec: FeatureSpec
+    # Optional ``feature_tail``: how many of a prompt's last tokens' features the drafter reads
+    # (None or absent: all). ``prefill`` may then get features of the prompt's last tokens only.
 
     def reset(self, max_batch: int, max_len: int) -> None: ...
     def prefill(self, slot: int, token_ids: Tensor, features: dict[str, Tensor]) -> None: ...

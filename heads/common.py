@@ -152,6 +152,7 @@ class LastHiddenDrafter:
         self.device, self.dtype = p.device, p.dtype
         self.logits = DraftLogits(head, draft_vocab)
         self.feature_spec = FeatureSpec(hidden=True)
+        self.feature_tail = 1  # a prefix cache keeps only what _keep reads: the last hidden state
         self._last: dict[int, Tensor] = {}
 
     def reset(self, max_batch: int, max_len: int) -> None:

@@ -72,7 +72,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         if prefix_cache_bytes < 0:
             raise ValueError(f"prefix cache size must be >= 0 (0: off), got {prefix_cache_bytes} bytes")
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        # the drafter's own bound on the prompt features it reads (None: all; see PrefixCache)
+        tail = getattr(drafter, "feature_tail", None)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, feature_tail=tail) if prefix_cache_bytes > 0 else None
         self.slots = SlotAllocator(max_batch)
         self.eos_ids = set(target.eos_token_ids)
         self.waiting: list[Request] = []
@@ -148,7 +150,9 @@ class Engine:
         entry, n = hit.entry, hit.length
         self.runner.cache.copy_in(r.slot, entry.keys, entry.values, n)
         if self.drafter is not None:
-            r.prompt_features.append({k: v[:n] for k, v in entry.features.items()})
+            r.feature_start, features = entry.cached_features(n)
+            if features is not None:
+                r.prompt_features.append(features)
         r.prefilled = r.cached = n
         return n
 
@@ -169,11 +173,13 @@ class Engine:
             if r.kept_features is None:
                 return
             parts = r.kept_features + ([_unfed_features(r)] if r.unfed else [])
-            features = {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
-            if any(len(v) < n for v in features.values()):
+            m = n - r.feature_start  # the kept features start where the prompt's did
+            features = {k: torch.cat([p[k] for p in parts])[:m] for k in parts[0]}
+            if any(len(v) < m for v in features.values()):
                 return
         cache.discard(r.prompt)
-        cache.store((r.prompt + r.out)[:n], lambda: self.runner.cache.copy_out(r.slot, n), features)
+        cache.store((r.prompt + r.out)[:n], lambda: self.runner.cache.copy_out(r.slot, n), features,
+                    reply_from=len(r.prompt))
 
     def _prefill(self, reqs: list[Request], stats: StepStats) -> list[RequestOutput]:
         """Prefill (a chunk of) each new prompt; a finished prefill samples the first token."""

@@ -10,6 +10,12 @@ of a chat re-sends both); a later prompt with the longest common prefix of at le
 
 At least the prompt's last token is always prefilled: its logits pick the first output token.
 Entries are evicted least recently used first, to stay under ``max_bytes``.
+
+An entry keeps the drafter's features of its prompt's last ``feature_tail`` tokens only (and, for
+a finished sequence, of its reply), where the drafter reads no further back (its ``feature_tail``):
+Medusa-like heads read the last hidden state alone, and an EAGLE drafter on a CPU catches up on a
+window of recent pairs anyway. Whole, EAGLE-3's 1,728 aux values a token were 13% of an entry's
+bytes next to its K/V (23 KB a token), and a drafter server cached that many fewer prompts.
 """
 from __future__ import annotations
 
@@ -30,8 +36,18 @@ class PrefixEntry:
     tokens: np.ndarray              # [n] the same, for fast comparison
     keys: list[Tensor]              # per layer [kv_heads, n, head_dim]
     values: list[Tensor]
-    features: dict[str, Tensor] | None  # the drafter's per-token features [n, ...], or None
+    features: dict[str, Tensor] | None  # the drafter's features of the last tokens [m, ...], or None
     nbytes: int
+
+    def cached_features(self, length: int) -> tuple[int, dict[str, Tensor] | None]:
+        """(first position, features up to ``length``) of the prefix ``length`` tokens long; the
+        features are None, and the position ``length``, when none of them lies inside it."""
+        if not self.features:
+            return length, None
+        start = len(self.tokens) - len(next(iter(self.features.values())))
+        if length <= start:
+            return length, None
+        return start, {k: v[:length - start] for k, v in self.features.items()}
 
 
 @dataclass
@@ -43,10 +59,13 @@ class PrefixHit:
 class PrefixCache:
     """Copies of prefilled prompts' K/V, found by longest common prefix (see the module docstring)."""
 
-    def __init__(self, max_bytes: int, min_tokens: int = KEY_TOKENS):
+    def __init__(self, max_bytes: int, min_tokens: int = KEY_TOKENS, feature_tail: int | None = None):
         if max_bytes <= 0:
             raise ValueError(f"the prefix cache needs max_bytes > 0, got {max_bytes}")
+        if feature_tail is not None and feature_tail < 1:
+            raise ValueError(f"feature_tail must be >= 1 or None (every token's), got {feature_tail}")
         self.max_bytes, self.min_tokens = int(max_bytes), max(int(min_tokens), KEY_TOKENS)
+        self.feature_tail = feature_tail
         self.entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()  # the whole prompt -> entry, LRU order
         self.by_key: dict[tuple, list[tuple]] = {}  # first KEY_TOKENS tokens -> prompts
         self.nbytes = 0
@@ -70,9 +89,13 @@ class PrefixCache:
         return best
 
     def store(self, prompt: list[int], kv: Callable[[], tuple[list[Tensor], list[Tensor]]],
-              features: dict[str, Tensor] | None = None) -> bool:
+              features: dict[str, Tensor] | None = None, reply_from: int | None = None) -> bool:
         """Keep a prefilled prompt with the K/V ``kv()`` returns (per layer [kv_heads, n, head_dim],
-        copies the caller will not touch again; called only when the prompt is kept). -> False
+        copies the caller will not touch again; called only when the prompt is kept) and the
+        features of its last tokens ({name: [m, ...]}, m <= n). A finished sequence (prompt +
+        reply) gives ``reply_from``, where its reply starts: the cut to ``feature_tail`` then keeps
+        the reply's features too, since the same first turn sent again matches only up to there,
+        and the next turn past its end. -> False
         when an entry already holds the whole prompt (that entry counts as used), when it is too
         short, or larger than the cache."""
         if len(prompt) <= self.min_tokens:
@@ -83,6 +106,10 @@ class PrefixCache:
                 self.entries.move_to_end(entry.name)
                 return False
         keys, values = kv()
+        if features and self.feature_tail is not None:
+            keep = len(prompt) - max(0, (len(prompt) if reply_from is None else reply_from) - self.feature_tail)
+            # a copy: a view would keep the whole tensor alive
+            features = {k: v[-keep:].clone() if len(v) > keep else v for k, v in features.items()}
         nbytes = sum(t.numel() * t.element_size() for t in [*keys, *values, *(features or {}).values()])
         if nbytes > self.max_bytes:
             return False

@@ -111,6 +111,7 @@ class Request:
         self.prefilled = 0                 # prompt tokens whose K/V are in the cache
         self.cached = 0                    # of which copied from the prefix cache
         self.prompt_features: list[dict] = []  # per prefill chunk, until the drafter gets them
+        self.feature_start = 0             # first prompt position with features (a cached prefix may lack them)
         self.unfed: list[tuple] = []       # plain steps not yet committed to the drafter (Engine._feed)
         self.kept_features: list[dict] | None = None  # with a prefix cache: every commit's features
         self.kv_len = 0                    # committed tokens in the cache

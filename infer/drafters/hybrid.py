@@ -189,6 +189,7 @@ class HybridDrafter:
         self.head, self.pld, self.rest = head_drafter, pld, rest
         self.retrieval = {name: d for name, d in (("pld", pld), ("rest", rest)) if d is not None}
         self.feature_spec: FeatureSpec = head_drafter.feature_spec if head_drafter else NO_FEATURES
+        self.feature_tail = getattr(head_drafter, "feature_tail", None)  # the prefix cache's cut
         self.estimate = AcceptanceEstimate()
         self.min_score, self.head_depth = min_score, head_depth
         self.clock = clock

@@ -220,6 +220,31 @@ def test_a_long_backlog_is_cut_to_its_last_pairs(tiny_target, kit, name):
 
 
 @pytest.mark.parametrize("name", HEADS)
+def test_a_prompt_with_features_of_its_last_tokens_only_drafts_as_a_cut_catchup(tiny_target, kit, name):
+    """A prefix-cache hit hands the drafter features of the prompt's last m tokens only: its
+    context then starts at n - m, exactly as a catch-up cut to the last m - 1 pairs."""
+    torch.manual_seed(8)
+    head = get_head_class(name).from_target(tiny_target, **HEADS[name])
+    seq = torch.randint(0, 256, (48,))
+    f = {k: v[0] for k, v in kit.features(tiny_target, seq[None],
+                                          aux_layers=head.feature_spec().aux_layers).items()}
+    n, m, budget = 40, 20, TreeBudget(8, 3, 3)
+    part = head.new_drafter(tiny_target, max_len=64, catchup_pairs=None, min_frontier_mass=0.0)
+    cut = head.new_drafter(tiny_target, max_len=64, catchup_pairs=m - 1, min_frontier_mass=0.0)
+    part.prefill(0, seq[:n], {k: v[n - m:n] for k, v in f.items()})
+    cut.prefill(0, seq[:n], {k: v[:n] for k, v in f.items()})
+    assert int(part.start[0]) == n - m == int(part.cache.lens[0])
+    ta, tb = (d.propose(torch.tensor([0]), seq[n:n + 1], budget) for d in (part, cut))
+    assert torch.equal(ta.tokens, tb.tokens) and torch.equal(ta.parents, tb.parents)
+    assert torch.allclose(ta.scores, tb.scores, rtol=1e-4, atol=1e-6)
+    assert int(part.start[0]) == int(cut.start[0]) and int(part.cache.lens[0]) == n - 1
+    with pytest.raises(ValueError, match="features of 41 tokens for a prompt of 40"):
+        part.prefill(0, seq[:n], {k: v[:n + 1] for k, v in f.items()})
+    assert head.new_drafter(tiny_target, catchup_pairs=512).feature_tail == 64
+    assert head.new_drafter(tiny_target, catchup_pairs=None).feature_tail is None
+
+
+@pytest.mark.parametrize("name", HEADS)
 def test_overfitted_head_drafts_the_continuation(tiny_target, kit, greedy_seq, name):
     torch.manual_seed(6)
     head = get_head_class(name).from_target(tiny_target, **HEADS[name])

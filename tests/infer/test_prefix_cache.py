@@ -100,6 +100,57 @@ def test_a_drafter_gets_the_same_prompt_features_from_the_cache(tiny_target, alo
             torch.testing.assert_close(seen_cached[i][name], seen_fresh[i][name], rtol=1e-4, atol=1e-5)
 
 
+def test_the_cache_keeps_only_the_features_the_drafter_reads(tiny_target, alone):
+    """A drafter that reads a prompt's last ``feature_tail`` features gets those from a cached
+    prefix (the fresh ones' tail, also where the entry is a finished sequence whose reply
+    follows), the cache holds no more, and the output stays plain greedy's."""
+    from specdec.heads import get_head_class
+
+    torch.manual_seed(0)
+    head = get_head_class("eagle3").from_target(tiny_target).eval()
+    tail = 8
+
+    def serve(cache_bytes):
+        drafter = head.new_drafter(tiny_target)
+        drafter.feature_tail = tail
+        seen = []
+        prefill = drafter.prefill
+        drafter.prefill = lambda slot, ids, feats: seen.append(feats) or prefill(slot, ids, feats)
+        engine = Engine(tiny_target, drafter, max_batch=2, max_len=256, prefix_cache_bytes=cache_bytes)
+        outs = {rid: run(engine, {rid: p}, GREEDY, budget=TreeBudget(8, 4, 2))[rid] for rid, p in PROMPTS.items()}
+        return outs, seen, engine.prefix_cache
+
+    cached, seen_cached, cache = serve(1 << 24)
+    fresh, seen_fresh, _ = serve(0)
+    assert [o.stats["cached_prompt_tokens"] for o in cached.values()] == [0, 52, 53, 30]
+    for rid in PROMPTS:
+        assert cached[rid].token_ids == fresh[rid].token_ids == alone[rid], rid
+    lengths = []
+    for got, want in zip(seen_cached, seen_fresh):
+        m = len(got["aux"])
+        lengths.append(m)
+        assert min(len(want["aux"]), tail) <= m
+        torch.testing.assert_close(got["aux"], want["aux"][-m:], rtol=1e-4, atol=1e-5)
+    assert lengths[0] == len(PROMPTS["a"]) and max(lengths[1:]) < len(PROMPTS["b"])  # b, c, d: cut
+    longest_reply = max(len(o.token_ids) for o in cached.values())
+    for entry in cache.entries.values():  # finished sequences: the prompt's last 8 + the reply at most
+        assert len(entry.features["aux"]) <= tail + longest_reply < len(entry.tokens)
+
+
+def test_a_last_hidden_drafter_caches_one_feature_a_prompt(tiny_target, alone):
+    """Medusa-like heads read the last hidden state alone: entries keep no other."""
+    from specdec.heads import get_head_class
+
+    torch.manual_seed(0)
+    head = get_head_class("medusa").from_target(tiny_target).eval()
+    engine = Engine(tiny_target, head.new_drafter(tiny_target), max_batch=2, max_len=256, prefix_cache_bytes=1 << 24)
+    outs = {rid: run(engine, {rid: p}, GREEDY, budget=TreeBudget(4, 2, 2))[rid] for rid, p in PROMPTS.items()}
+    assert {rid: o.token_ids for rid, o in outs.items()} == alone
+    assert [o.stats["cached_prompt_tokens"] for o in outs.values()] == [0, 52, 53, 30]
+    longest_reply = max(len(o.token_ids) for o in outs.values())
+    assert all(len(e.features["hidden"]) <= 1 + longest_reply for e in engine.prefix_cache.entries.values())
+
+
 def test_the_next_turn_reuses_the_whole_previous_turn(tiny_target):
     """A finished sequence is cached as prompt + output with every token's features, plain
     steps and drafted ones alike, so turn 2 (turn 1 + its reply + a new message) prefills only
