@@ -25,6 +25,22 @@ DEFAULT_HEAD = Path("runs/smollm2-135m/eagle3/final")
 log = logging.getLogger("specdec.serve")
 
 
+def server_grid(top, spec_nodes=None, spec_depth: int | None = None, spec_topk: int | None = None) -> list:
+    """The controller's budget levels: ``spec_nodes`` (default: powers of two under ``top``, the
+    drafter's own or the device's tree budget, then ``top``'s nodes) spread as ``budget_grid`` does.
+    A level of ``top``'s size is ``top`` itself unless depth or width were given: ``budget_grid``
+    would make it a chain (12 nodes over 12 levels, one child each), and EAGLE-3's tuned 4-node
+    top-3 tree drafted at tau 1.64 where its chain did at 1.44 (16 Spec-Bench first turns, bf16)."""
+    from .controller import budget_grid
+
+    if spec_nodes is None:
+        spec_nodes = [0] + [n for n in (2, 4, 8, 16, 32, 64, 128) if n < top.max_nodes] + [top.max_nodes]
+    grid = budget_grid(spec_nodes, max_depth=spec_depth or top.max_depth, topk=spec_topk or top.topk)
+    if spec_depth is None and spec_topk is None:
+        grid = [top if level.max_nodes == top.max_nodes else level for level in grid]
+    return grid
+
+
 def build_app(target, method: str = "plain", head=None, *, dtype=None, device="cpu", max_batch: int = 8,
               max_len: int = 2048, policy: str = "goodput", spec_nodes=None, spec_depth: int | None = None,
               spec_topk: int | None = None, fixed_nodes: int | None = None, disable_batch_size: int = 8,
@@ -43,7 +59,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     from specdec.infer.target import Target, load_target
 
     from .app import ServerConfig, create_app
-    from .controller import ConfidenceTap, budget_grid, make_controller
+    from .controller import ConfidenceTap, make_controller
     from .costmodel import CostModel, default_prior
     from .metrics import ServerMetrics
     from .scheduler import Scheduler, TorchThread
@@ -67,10 +83,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     drafter = engine.drafter
     controller = None
     if drafter is not None:
-        top = engine.default_budget  # the drafter's own, else the device's (heads.tree.default_budget)
-        if spec_nodes is None:
-            spec_nodes = [0] + [n for n in (2, 4, 8, 16, 32, 64, 128) if n < top.max_nodes] + [top.max_nodes]
-        grid = budget_grid(spec_nodes, max_depth=spec_depth or top.max_depth, topk=spec_topk or top.topk)
+        grid = server_grid(engine.default_budget, spec_nodes, spec_depth, spec_topk)
         cost = (CostModel.load(cost_profile) if cost_profile and Path(cost_profile).exists()
                 else CostModel(prior=default_prior(device)))
         controller = make_controller(policy, grid=grid, cost=cost, fixed_nodes=fixed_nodes,

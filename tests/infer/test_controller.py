@@ -31,6 +31,16 @@ def test_budget_grid_levels():
         budget_grid((-1, 4))
 
 
+def test_the_servers_top_level_is_the_drafters_own_tree():
+    from specdec.infer.server.cli import server_grid
+
+    top = TreeBudget(4, 4, 3)  # EAGLE-3's CPU tree: budget_grid alone would make it a 4-token chain
+    assert budget_grid((0, 2, 4), max_depth=4, topk=3)[-1] == TreeBudget(4, 4, 1)
+    assert server_grid(top) == [TreeBudget(0, 0, 1), TreeBudget(2, 2, 1), top]
+    assert server_grid(TreeBudget(12, 12, 4), (0, 8, 12))[1:] == [TreeBudget(8, 8, 1), TreeBudget(12, 12, 4)]
+    assert server_grid(top, spec_topk=1)[-1] == TreeBudget(4, 4, 1)  # asked for: the user's shape
+
+
 def test_cost_model_recovers_linear_costs_and_round_trips(tmp_path):
     truth = lambda b, n: 0.010 + 0.001 * b + 0.0004 * n  # noqa: E731
     model = CostModel(prior=CostPrior(a=0.05, b=0.0, c=0.0))  # a deliberately wrong prior
