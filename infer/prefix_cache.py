@@ -12,7 +12,7 @@ At least the prompt's last token is always prefilled: its logits pick the first 
 Entries are evicted least recently used first, to stay under ``max_bytes``.
 
 An entry keeps the drafter's features of its prompt's last ``feature_tail`` tokens only (and, for
-a finished sequence, of its reply), where the drafter reads no further back (its ``feature_tail``):
+a finished sequence, of its reply's last ones), where the drafter reads no further back:
 Medusa-like heads read the last hidden state alone, and an EAGLE drafter on a CPU catches up on a
 window of recent pairs anyway. Whole, EAGLE-3's 1,728 aux values a token were 13% of an entry's
 bytes next to its K/V (23 KB a token), and a drafter server cached that many fewer prompts.
@@ -31,23 +31,31 @@ KEY_TOKENS = 16
 
 
 @dataclass
+class FeatureSpan:
+    start: int                      # the first token position it covers
+    features: dict[str, Tensor]     # the drafter's features of tokens start, start + 1, ... [m, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(next(iter(self.features.values())))
+
+
+@dataclass
 class PrefixEntry:
     name: tuple                     # the prompt, as the cache's key
     tokens: np.ndarray              # [n] the same, for fast comparison
     keys: list[Tensor]              # per layer [kv_heads, n, head_dim]
     values: list[Tensor]
-    features: dict[str, Tensor] | None  # the drafter's features of the last tokens [m, ...], or None
+    spans: list[FeatureSpan]        # the drafter's features of some runs of its tokens (or none)
     nbytes: int
 
     def cached_features(self, length: int) -> tuple[int, dict[str, Tensor] | None]:
-        """(first position, features up to ``length``) of the prefix ``length`` tokens long; the
-        features are None, and the position ``length``, when none of them lies inside it."""
-        if not self.features:
-            return length, None
-        start = len(self.tokens) - len(next(iter(self.features.values())))
-        if length <= start:
-            return length, None
-        return start, {k: v[:length - start] for k, v in self.features.items()}
+        """(first position, features up to ``length``) for the prefix ``length`` tokens long, from
+        the span ending closest after it; (``length``, None) when no span reaches into it."""
+        for span in self.spans:
+            if span.start < length <= span.end:
+                return span.start, {k: v[:length - span.start] for k, v in span.features.items()}
+        return length, None
 
 
 @dataclass
@@ -93,9 +101,9 @@ class PrefixCache:
         """Keep a prefilled prompt with the K/V ``kv()`` returns (per layer [kv_heads, n, head_dim],
         copies the caller will not touch again; called only when the prompt is kept) and the
         features of its last tokens ({name: [m, ...]}, m <= n). A finished sequence (prompt +
-        reply) gives ``reply_from``, where its reply starts: the cut to ``feature_tail`` then keeps
-        the reply's features too, since the same first turn sent again matches only up to there,
-        and the next turn past its end. -> False
+        reply) gives ``reply_from``, where its reply starts: the same first turn sent again
+        matches up to there, the next turn past its end, and ``feature_tail`` features are kept
+        before each (``_spans``). -> False
         when an entry already holds the whole prompt (that entry counts as used), when it is too
         short, or larger than the cache."""
         if len(prompt) <= self.min_tokens:
@@ -106,20 +114,35 @@ class PrefixCache:
                 self.entries.move_to_end(entry.name)
                 return False
         keys, values = kv()
-        if features and self.feature_tail is not None:
-            keep = len(prompt) - max(0, (len(prompt) if reply_from is None else reply_from) - self.feature_tail)
-            # a copy: a view would keep the whole tensor alive
-            features = {k: v[-keep:].clone() if len(v) > keep else v for k, v in features.items()}
-        nbytes = sum(t.numel() * t.element_size() for t in [*keys, *values, *(features or {}).values()])
+        spans = self._spans(len(prompt), features, reply_from)
+        nbytes = sum(t.numel() * t.element_size() for t in
+                     [*keys, *values, *(v for span in spans for v in span.features.values())])
         if nbytes > self.max_bytes:
             return False
         while self.nbytes + nbytes > self.max_bytes:
             self._evict()
         name = tuple(prompt)
-        self.entries[name] = PrefixEntry(name, tokens, keys, values, features, nbytes)
+        self.entries[name] = PrefixEntry(name, tokens, keys, values, spans, nbytes)
         self.by_key.setdefault(name[:KEY_TOKENS], []).append(name)
         self.nbytes += nbytes
         return True
+
+    def _spans(self, n: int, features: dict[str, Tensor] | None, reply_from: int | None) -> list[FeatureSpan]:
+        """What an entry of n tokens keeps of ``features`` (those of its last tokens): with a
+        ``feature_tail``, the last that many before where the prompt ended and, for a finished
+        sequence, before its end (one span where they meet)."""
+        if not features:
+            return []
+        first = n - len(next(iter(features.values())))  # the features' first position
+        tail = self.feature_tail
+        if tail is None:
+            return [FeatureSpan(first, features)]
+        prompt_end = n if reply_from is None else reply_from
+        runs = [(prompt_end - tail, n)] if n - tail <= prompt_end else [(prompt_end - tail, prompt_end), (n - tail, n)]
+        runs = [(max(lo, first), end) for lo, end in runs]
+        # copies: a view would keep the whole tensor alive
+        return [FeatureSpan(lo, {k: v[lo - first:end - first].clone() for k, v in features.items()})
+                for lo, end in runs if lo < end]
 
     def _candidates(self, prompt: list[int]) -> list[PrefixEntry]:
         """The entries starting with the same KEY_TOKENS tokens as ``prompt``."""

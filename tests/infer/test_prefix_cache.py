@@ -51,6 +51,28 @@ def test_least_recently_used_prompts_go_first_to_stay_under_the_budget():
         PrefixCache(0)
 
 
+def test_an_entry_keeps_the_features_before_where_its_prompt_and_its_reply_end():
+    feats = {"aux": torch.arange(80.0)[:, None]}  # token p's feature is p (features of all 100: 20..99 given)
+    cache = PrefixCache(max_bytes=1 << 20, feature_tail=8)
+    seq = list(range(100))
+    cache.store(seq, lambda: kv(100), {"aux": feats["aux"] + 20}, reply_from=60)
+    entry = cache.entries[tuple(seq)]
+    assert [(s.start, s.end) for s in entry.spans] == [(52, 60), (92, 100)]
+    for length, start in ((59, 52), (60, 52), (100, 92), (95, 92)):
+        first, got = entry.cached_features(length)
+        assert first == start and got["aux"][:, 0].tolist() == list(range(start, length))
+    assert entry.cached_features(70) == (70, None) and entry.cached_features(52) == (52, None)
+    assert entry.nbytes == 2 * 100 * 2 * 4 * 4 + 16 * 4
+    seq2 = list(range(1, 101))
+    cache.store(seq2, lambda: kv(100), {"aux": torch.arange(100.0)[:, None]}, reply_from=95)  # they meet
+    assert [(s.start, s.end) for s in cache.entries[tuple(seq2)].spans] == [(87, 100)]
+    whole = PrefixCache(max_bytes=1 << 20)  # no tail: every feature given
+    whole.store(seq, lambda: kv(100), feats, reply_from=60)
+    assert [(s.start, s.end) for s in whole.entries[tuple(seq)].spans] == [(20, 100)]
+    with pytest.raises(ValueError, match="feature_tail"):
+        PrefixCache(1 << 20, feature_tail=0)
+
+
 @pytest.fixture(scope="module")
 def alone(tiny_target):
     """Each prompt decoded on its own engine, no prefix cache: the reference."""
@@ -132,9 +154,8 @@ def test_the_cache_keeps_only_the_features_the_drafter_reads(tiny_target, alone)
         assert min(len(want["aux"]), tail) <= m
         torch.testing.assert_close(got["aux"], want["aux"][-m:], rtol=1e-4, atol=1e-5)
     assert lengths[0] == len(PROMPTS["a"]) and max(lengths[1:]) < len(PROMPTS["b"])  # b, c, d: cut
-    longest_reply = max(len(o.token_ids) for o in cached.values())
-    for entry in cache.entries.values():  # finished sequences: the prompt's last 8 + the reply at most
-        assert len(entry.features["aux"]) <= tail + longest_reply < len(entry.tokens)
+    for entry in cache.entries.values():  # finished sequences: the last 8 of the prompt and of the reply
+        assert sum(len(span.features["aux"]) for span in entry.spans) <= 2 * tail
 
 
 def test_a_last_hidden_drafter_caches_one_feature_a_prompt(tiny_target, alone):
@@ -147,8 +168,7 @@ def test_a_last_hidden_drafter_caches_one_feature_a_prompt(tiny_target, alone):
     outs = {rid: run(engine, {rid: p}, GREEDY, budget=TreeBudget(4, 2, 2))[rid] for rid, p in PROMPTS.items()}
     assert {rid: o.token_ids for rid, o in outs.items()} == alone
     assert [o.stats["cached_prompt_tokens"] for o in outs.values()] == [0, 52, 53, 30]
-    longest_reply = max(len(o.token_ids) for o in outs.values())
-    assert all(len(e.features["hidden"]) <= 1 + longest_reply for e in engine.prefix_cache.entries.values())
+    assert all(sum(len(span.features["hidden"]) for span in e.spans) <= 2 for e in engine.prefix_cache.entries.values())
 
 
 def test_the_next_turn_reuses_the_whole_previous_turn(tiny_target):
