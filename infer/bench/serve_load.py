@@ -104,7 +104,8 @@ async def one_request(client, base, model, prompt, max_tokens, headers) -> dict:
     tokens = (usage or {}).get("completion_tokens", chunks)
     return {"ok": True, "start": t0, "end": end, "ttft": (first or end) - t0, "tokens": tokens,
             "tpot": (end - first) / (tokens - 1) if first and tokens > 1 else None,
-            "spec": (usage or {}).get("speculation")}
+            "spec": (usage or {}).get("speculation"), "prompt_tokens": (usage or {}).get("prompt_tokens"),
+            "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
 
 
 async def drive_level(base, model, prompts, concurrency, max_tokens, timeout_s, api_key=None):
@@ -151,6 +152,9 @@ def summarize_level(concurrency: int, rounds: list[tuple[list[dict], float]]) ->
              "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
              "tau": sum(r["tokens"] for r in ok if r.get("spec")) / steps if steps else None,
              "mean_budget": sum(s["mean_budget"] * s["decode_steps"] for s in spec) / steps if steps else None,
+             # what the server's prefix cache supplied (OpenAI's usage.prompt_tokens_details), if it says
+             "prompt_tokens": _total(r.get("prompt_tokens") for r in ok),
+             "cached_prompt_tokens": _total(r.get("cached_tokens") for r in ok),
              "errors": sorted({r.get("error", "")[:120] for r in results if not r["ok"]})[:3]}
     if len(rounds) > 1:
         per = [sum(r["tokens"] for r in res if r["ok"]) / w if w > 0 else 0.0 for res, w in rounds]
@@ -159,6 +163,12 @@ def summarize_level(concurrency: int, rounds: list[tuple[list[dict], float]]) ->
         level["throughput_rounds"] = per
         level["throughput_std"] = (sum((x - mean) ** 2 for x in per) / (len(per) - 1)) ** 0.5
     return level
+
+
+def _total(values) -> int | None:
+    """The sum of the values reported (None where no request reported one)."""
+    given = [v for v in values if v is not None]
+    return sum(given) if given else None
 
 
 def free_port() -> int:
@@ -242,12 +252,15 @@ def write_report(report: dict, out: Path) -> list[Path]:
     paths[0].write_text(json.dumps(report, indent=1))
     fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     spread = lambda lv: f" ± {lv['throughput_std']:.1f}" if "throughput_std" in lv else ""  # noqa: E731
+    cached = lambda lv: ("-" if lv.get("cached_prompt_tokens") is None or not lv.get("prompt_tokens")  # noqa: E731
+                         else f"{100 * lv['cached_prompt_tokens'] / lv['prompt_tokens']:.0f}%")
     rounds = report.get("rounds", 1)
     lines = [f"# specdec-bench --serve ({report['model']}, max_tokens {report['max_tokens']})", "",
              *([f"{rounds} rounds per level, the policies taking turns; tok/s over all rounds ± the std of "
                 "the rounds' own", ""] if rounds > 1 else []),
-             "| policy | conc | req | fail | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | τ | budget |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| policy | conc | req | fail | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | τ | budget "
+             "| prompt cached |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, levels in report["runs"].items():
         for lv in levels:
             ms = lambda d, k: None if d[k] is None else 1000 * d[k]  # noqa: E731
@@ -255,7 +268,7 @@ def write_report(report: dict, out: Path) -> list[Path]:
                          f"{fmt(lv['throughput_tok_s'])}{spread(lv)} | {fmt(ms(lv['ttft_s'], 'p50'))} | "
                          f"{fmt(ms(lv['ttft_s'], 'p99'))} | {fmt(ms(lv['tpot_s'], 'p50'))} | "
                          f"{fmt(ms(lv['tpot_s'], 'p99'))} | {fmt(lv['tau'], '{:.2f}')} | "
-                         f"{fmt(lv['mean_budget'], '{:.1f}')} |")
+                         f"{fmt(lv['mean_budget'], '{:.1f}')} | {cached(lv)} |")
     paths[1].write_text("\n".join(lines) + "\n")
     import matplotlib
 

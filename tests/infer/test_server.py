@@ -316,13 +316,15 @@ def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
         # two rounds of 3 requests each; the warm-up is not counted
         assert report["warmup"] == 2 and all(lv["requests"] == 6 for lv in levels)
         assert all(lv["output_tokens"] > 0 and lv["tau"] >= 1.0 and lv["ttft_s"]["p50"] > 0 for lv in levels)
+        # the same 3 prompts again and again: the prefix cache supplies some of them
+        assert all(0 < lv["cached_prompt_tokens"] < lv["prompt_tokens"] for lv in levels), levels
         for lv in levels:  # the pooled rate lies between the rounds' own
             assert len(lv["throughput_rounds"]) == 2 and lv["throughput_std"] >= 0
             assert min(lv["throughput_rounds"]) <= lv["throughput_tok_s"] * (1 + 1e-9)
             assert lv["throughput_tok_s"] <= max(lv["throughput_rounds"]) * (1 + 1e-9)
     assert (out / "serve_bench.png").stat().st_size > 0
     table = (out / "serve_bench.md").read_text()
-    assert "| goodput | 2 |" in table and "| plain | 1 |" in table and " ± " in table
+    assert "| goodput | 2 |" in table and "| plain | 1 |" in table and " ± " in table and "% |" in table
 
 
 def test_serve_load_against_an_endpoint(server, tmp_path):
