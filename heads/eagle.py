@@ -282,7 +282,7 @@ MIN_CATCHUP_WINDOW = 16
 # Where the catch-up is bounded, a prefix-cache entry keeps the features of its last 64 tokens
 # only (PrefixCache.feature_tail): from batch 8 on a window reads no more, and at batch 1 a prompt
 # cut to its last 64 pairs drafted at tau 1.507 against 1.519 whole (24 Spec-Bench first turns,
-# session 37). Whole features made a drafter server's cache hold ~13% fewer prompts.
+# session 37). Whole, EAGLE-3's features were 13% of an entry's bytes (docs/BENCHMARKS.md, session 38).
 CACHED_FEATURE_PAIRS = 64
 
 

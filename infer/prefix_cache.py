@@ -51,7 +51,7 @@ class PrefixEntry:
 
     def cached_features(self, length: int) -> tuple[int, dict[str, Tensor] | None]:
         """(first position, features up to ``length``) for the prefix ``length`` tokens long, from
-        the span ending closest after it; (``length``, None) when no span reaches into it."""
+        the span that reaches into it and on to its end; (``length``, None) when none does."""
         for span in self.spans:
             if span.start < length <= span.end:
                 return span.start, {k: v[:length - span.start] for k, v in span.features.items()}
@@ -138,7 +138,10 @@ class PrefixCache:
         if tail is None:
             return [FeatureSpan(first, features)]
         prompt_end = n if reply_from is None else reply_from
-        runs = [(prompt_end - tail, n)] if n - tail <= prompt_end else [(prompt_end - tail, prompt_end), (n - tail, n)]
+        if n - tail <= prompt_end:  # the two tails meet (or there is no reply): one run
+            runs = [(prompt_end - tail, n)]
+        else:
+            runs = [(prompt_end - tail, prompt_end), (n - tail, n)]
         runs = [(max(lo, first), end) for lo, end in runs]
         # copies: a view would keep the whole tensor alive
         return [FeatureSpan(lo, {k: v[lo - first:end - first].clone() for k, v in features.items()})
