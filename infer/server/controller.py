@@ -319,19 +319,20 @@ class GoodputPolicy(Policy):
         exp = ctl.expected_tokens(rids)
         plain = ctl.predicted_goodput(rids, [0] * len(rids), exp, padded=True)
         full = ctl.predicted_goodput(rids, [len(ctl.nodes) - 1] * len(rids), exp, padded=True) / plain
-        plan, model = self._speculating_plan(ctl, rids)
+        plan, model = self._speculating_plan(ctl, rids, exp)
         behind = {arm: math.log(r) for arm, r in (("model", model), ("full", full)) if r < 1.0}
         if behind:
             self.gate.seed(regime, {"plain": 0.0, **behind}, MODEL_PRIOR_WEIGHT)
         return plan
 
-    def _speculating_plan(self, ctl, rids) -> tuple[dict, float]:
+    def _speculating_plan(self, ctl, rids, exp=None) -> tuple[dict, float]:
         """The plan the model arm plays and its predicted tokens/s relative to plain decoding.
         The arm must speculate: the models' plan (hysteresis applied), or the best uniform
         level where that one is plain or, priced as the engine verifies it (every row padded to
         the widest tree), worth less: a mixed plan, one request drafting 12 nodes beside a plain
-        one, computes 2 x 13 tokens, while ``best_plan`` charges it 14."""
-        exp = ctl.expected_tokens(rids)  # [R, L]
+        one, computes 2 x 13 tokens, while ``best_plan`` charges it 14. ``exp``: the rows'
+        ``ctl.expected_tokens``, if the caller has them already."""
+        exp = ctl.expected_tokens(rids) if exp is None else exp  # [R, L]
         plan = self._model_plan(ctl, rids, exp)
         levels = [plan[r] for r in rids]
         uniform = [_best_uniform_level(ctl, exp)] * len(rids)
