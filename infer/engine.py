@@ -163,7 +163,7 @@ class Engine:
 
     def _remember_sequence(self, r: Request) -> None:
         """Cache a finished sequence (prompt + the output whose K/V is in its slot) in place of its
-        prompt: the next turn of a chat re-sends both."""
+        prompt's entries (PrefixCache.store): the next turn of a chat re-sends both."""
         cache = self.prefix_cache
         n = min(r.kv_len, len(r.prompt) + len(r.out))  # tokens past eos or a stop were never emitted
         if cache is None or n <= len(r.prompt):
@@ -177,7 +177,6 @@ class Engine:
             features = {k: torch.cat([p[k] for p in parts])[:m] for k in parts[0]}
             if any(len(v) < m for v in features.values()):
                 return
-        cache.discard(r.prompt)
         cache.store((r.prompt + r.out)[:n], lambda: self.runner.cache.copy_out(r.slot, n), features,
                     reply_from=len(r.prompt))
 

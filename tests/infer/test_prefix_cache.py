@@ -51,6 +51,24 @@ def test_least_recently_used_prompts_go_first_to_stay_under_the_budget():
         PrefixCache(0)
 
 
+def test_a_finished_sequence_supersedes_the_entries_of_its_prompt():
+    cache = PrefixCache(max_bytes=1 << 20)
+    prompt = list(range(30))
+    cache.store(prompt, lambda: kv(30))                                   # at its prefill
+    cache.store(prompt + [1] * 10, lambda: kv(40, 1.0), reply_from=30)     # its reply
+    assert list(cache.entries) == [tuple(prompt + [1] * 10)]
+    turn2 = prompt + [1] * 10 + [5] * 10                                   # a chat's next turn ...
+    cache.store(turn2 + [6] * 5, lambda: kv(55), reply_from=50)
+    cache.store(prompt + [2] * 10, lambda: kv(40, 2.0), reply_from=30)     # ... and the prompt again
+    assert set(cache.entries) == {tuple(prompt + [2] * 10), tuple(turn2 + [6] * 5)}
+    assert cache.nbytes == sum(e.nbytes for e in cache.entries.values())
+    assert cache.lookup(prompt + [2, 2, 0]).length == 32                  # the latest reply
+    assert cache.lookup(turn2 + [0]).length == 50                         # the other prompt's stays
+    other = list(range(29)) + [99]                                        # shares 29 tokens only
+    cache.store(other + [3] * 10, lambda: kv(40), reply_from=30)
+    assert len(cache) == 3
+
+
 def test_an_entry_keeps_the_features_before_where_its_prompt_and_its_reply_end():
     feats = {"aux": torch.arange(80.0)[:, None]}  # token p's feature is p (features of all 100: 20..99 given)
     cache = PrefixCache(max_bytes=1 << 20, feature_tail=8)
