@@ -121,15 +121,14 @@ class PrefixCache:
             if len(entry.tokens) >= len(tokens) and _common_prefix(entry, tokens, len(tokens)) == len(tokens):
                 self.entries.move_to_end(entry.name)
                 return False
-        prompt_len = len(prompt) if reply_from is None else reply_from
-        if reply_from is not None:
-            self._drop_replies(tokens, prompt_len)
         keys, values = kv()
         spans = self._spans(len(prompt), features, reply_from)
         nbytes = sum(t.numel() * t.element_size() for t in
                      [*keys, *values, *(v for span in spans for v in span.features.values())])
         if nbytes > self.max_bytes:
             return False
+        prompt_len = len(prompt) if reply_from is None else reply_from
+        self._drop_replies(tokens, prompt_len)
         while self.nbytes + nbytes > self.max_bytes:
             self._evict()
         name = tuple(prompt)
