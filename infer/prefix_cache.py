@@ -117,18 +117,22 @@ class PrefixCache:
         if len(prompt) <= self.min_tokens:
             return False
         tokens = np.asarray(prompt, dtype=np.int64)
+        prompt_len = len(prompt) if reply_from is None else reply_from
+        superseded = []  # the same prompt alone or with another reply (see the module docstring)
         for entry in self._candidates(prompt):
             if len(entry.tokens) >= len(tokens) and _common_prefix(entry, tokens, len(tokens)) == len(tokens):
                 self.entries.move_to_end(entry.name)
                 return False
+            if entry.prompt_len == prompt_len and _common_prefix(entry, tokens, prompt_len) == prompt_len:
+                superseded.append(entry.name)
         keys, values = kv()
-        spans = self._spans(len(prompt), features, reply_from)
+        spans = self._spans(len(prompt), features, prompt_len)
         nbytes = sum(t.numel() * t.element_size() for t in
                      [*keys, *values, *(v for span in spans for v in span.features.values())])
         if nbytes > self.max_bytes:
             return False
-        prompt_len = len(prompt) if reply_from is None else reply_from
-        self._drop_replies(tokens, prompt_len)
+        for name in superseded:
+            self._remove(name)
         while self.nbytes + nbytes > self.max_bytes:
             self._evict()
         name = tuple(prompt)
@@ -137,7 +141,7 @@ class PrefixCache:
         self.nbytes += nbytes
         return True
 
-    def _spans(self, n: int, features: dict[str, Tensor] | None, reply_from: int | None) -> list[FeatureSpan]:
+    def _spans(self, n: int, features: dict[str, Tensor] | None, prompt_end: int) -> list[FeatureSpan]:
         """What an entry of n tokens keeps of ``features`` (those of its last tokens): with a
         ``feature_tail``, the last that many before where the prompt ended and, for a finished
         sequence, before its end (one span where they meet)."""
@@ -147,7 +151,6 @@ class PrefixCache:
         tail = self.feature_tail
         if tail is None:
             return [FeatureSpan(first, features)]
-        prompt_end = n if reply_from is None else reply_from
         if n - tail <= prompt_end:  # the two tails meet (or there is no reply): one run
             runs = [(prompt_end - tail, n)]
         else:
@@ -160,13 +163,6 @@ class PrefixCache:
     def _candidates(self, prompt: list[int]) -> list[PrefixEntry]:
         """The entries starting with the same KEY_TOKENS tokens as ``prompt``."""
         return [self.entries[name] for name in self.by_key.get(tuple(prompt[:KEY_TOKENS]), [])]
-
-    def _drop_replies(self, tokens: np.ndarray, prompt_len: int) -> None:
-        """Drop the entries of the prompt ``tokens[:prompt_len]``, alone or with another reply: the
-        finished sequence about to be stored supersedes them (see the module docstring)."""
-        for entry in self._candidates(tokens[:KEY_TOKENS].tolist()):
-            if entry.prompt_len == prompt_len and _common_prefix(entry, tokens, prompt_len) == prompt_len:
-                self._remove(entry.name)
 
     def _evict(self) -> None:
         self._remove(next(iter(self.entries)))
