@@ -7,8 +7,8 @@ A recipe has eight sections (all but ``head`` optional)::
     data:      {files, format, max_length, eval_fraction, limit, mode, capture_dir, seed,
                 regenerate: {enabled, num_prompts, max_new_tokens, batch_size, ...}}
     loss:      {<loss weights: head Config fields or keyword arguments of head.loss()>}
-    optim:     {lr, weight_decay, betas, eps, warmup, schedule, epochs, max_steps,
-                micro_batch_size, grad_accum, clip, seed}
+    optim:     {lr, weight_decay, betas, eps, warmup, schedule, epochs, max_steps, max_minutes,
+                micro_batch_size, grad_accum, clip, seed, freeze}
     output:    {dir, save_every, eval_every, eval_depth, keep_last, log_every}
     deepspeed: {zero_stage, precision, extra}
     wandb:     {project, mode, name, entity, tags}
@@ -86,6 +86,8 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    max_minutes: float | None = None  # training time budget: fewer steps on a slower machine
+    # (the step count is fixed once, early, from measured step times; the LR schedule fits it)
     micro_batch_size: int = 4  # sequences per process per forward
     grad_accum: int = 1
     clip: float = 1.0  # max gradient norm; 0 disables clipping
@@ -281,6 +283,8 @@ def _check_ranges(recipe: Recipe, seen: dict) -> None:
             fail("optim", key, f"must be >= 1, got {getattr(o, key)}")
     if o.max_steps is not None and o.max_steps < 1:
         fail("optim", "max_steps", f"must be >= 1, got {o.max_steps}")
+    if o.max_minutes is not None and not o.max_minutes > 0:
+        fail("optim", "max_minutes", f"must be > 0 (or null: no time budget), got {o.max_minutes}")
     if o.lr <= 0:
         fail("optim", "lr", f"must be > 0, got {o.lr}")
     if isinstance(o.warmup, float) and not 0 <= o.warmup < 1 or o.warmup < 0:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-# lm_head rows are projected this many positions at a time for top-k, so that a long
+# lm_head rows are projected this many positions at a time for top-k (50 MB of float32 logits
+# at 49k vocab; 64 at a time ran 30% slower on a 2-core CPU), so that a long
 # batch never materialises the whole [B, T, V] logits tensor (49k vocab x 16k tokens = 3 GB).
-_LOGIT_CHUNK = 64
+_LOGIT_CHUNK = 256
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

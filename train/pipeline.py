@@ -18,6 +18,7 @@ import hashlib
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
     """Train the recipe's head; returns ``<output.dir>/final``. resume None = automatic."""
     from specdec.infer.target import load_target
 
+    marks = [("start", time.perf_counter())]  # phase ends, for the closing time summary
     dist = setup_distributed()
     out = Path(recipe.output.dir)
     if dist.is_main:
@@ -46,6 +48,7 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
     head = build_head(recipe, target)   # before the data work: a bad optim.freeze fails here
     train_ds, eval_ds = prepare_data(recipe, target, dist)
     choose_draft_vocab(head, train_ds, target.vocab_size)
+    marks.append(("target + data", time.perf_counter()))
     if dist.is_main:  # now with every head field the target decided (hidden size, vocab, ...)
         recipe.dump(out / "recipe.resolved.yaml", head_fields=_head_fields(head))
     spec = head.feature_spec()
@@ -57,15 +60,27 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
             torch.cuda.empty_cache()
     else:
         train_src, eval_src = OnlineSource(train_ds, target, spec), OnlineSource(eval_ds, target, spec)
+    marks.append(("features", time.perf_counter()))
     trainer = Trainer(recipe, head, train_src, eval_src, dist)
     start = trainer.state["step"] if trainer.restore(resume) else 0
     logger = RunLogger(recipe, dist.is_main, start, finished=start >= trainer.total_steps)
     try:
         trainer.train(logger)
+        marks.append(("training", time.perf_counter()))
         result = trainer.evaluate()
-        return trainer.save_final(result)
+        final = trainer.save_final(result)
+        marks.append(("eval + save", time.perf_counter()))
+        if dist.is_main:
+            print(time_summary(marks), file=sys.stderr, flush=True)
+        return final
     finally:
         logger.finish()
+
+
+def time_summary(marks: list[tuple[str, float]]) -> str:
+    """'finished in 29.4 min (data 4.6, features 6.3, ...)' from (phase, end time) marks."""
+    phases = ", ".join(f"{name} {(t - prev) / 60:.1f}" for (_, prev), (name, t) in zip(marks, marks[1:]))
+    return f"specdec-train: finished in {(marks[-1][1] - marks[0][1]) / 60:.1f} min ({phases})"
 
 
 def _head_fields(head) -> dict | None:

@@ -101,6 +101,13 @@ def schedule_steps(recipe: Recipe, steps_per_epoch: int) -> tuple[int, int]:
     return total, min(warmup, total)
 
 
+def budget_fit(done: int, total: int, spent_s: float, step_s: float, budget_s: float) -> int:
+    """Steps a run may take in all: as many as its time budget leaves room for at ``step_s``
+    seconds a step after ``spent_s`` already spent, never fewer than ``done`` nor more than ``total``."""
+    room = max(budget_s - spent_s, 0.0) / max(step_s, 1e-9)
+    return max(done, min(total, done + int(room)))
+
+
 def deepspeed_config(recipe: Recipe, world_size: int, bf16: bool, total: int, warmup: int) -> dict:
     """The DeepSpeed config dict; ``deepspeed.extra`` is deep-merged over it last."""
     o = recipe.optim
@@ -198,8 +205,11 @@ class Trainer:
         # DeepSpeed's schedulers stand at iteration -1 (lr 0 or 1) until the first step;
         # start at 1 so optimizer step s (1-based) uses the schedule's lr at s
         self.scheduler.step(1)
-        self.state = {"step": 0, "tokens": 0}
+        # train_seconds: time spent in the loop over every process start (optim.max_minutes);
+        # total_steps is added once a time budget has fixed the step count
+        self.state = {"step": 0, "tokens": 0, "train_seconds": 0.0}
         self.logger = None
+        self.clock = time.perf_counter  # a test drives the time budget with its own clock
 
     # ------------------------------------------------------------------ resume
     def restore(self, resume: bool | None) -> bool:
@@ -209,7 +219,9 @@ class Trainer:
             if resume:
                 raise FileNotFoundError(f"--resume: no complete checkpoint under {self.out}/checkpoints")
             return False
-        self.state = load_checkpoint(self.engine, self.out, tag, self.dist.rank)
+        self.state = {"train_seconds": 0.0, **load_checkpoint(self.engine, self.out, tag, self.dist.rank)}
+        if "total_steps" in self.state:  # a time budget fixed it before the checkpoint: keep it
+            self._set_total_steps(self.state["total_steps"])
         self._say(f"resumed from {self.out / 'checkpoints' / tag} at step {self.state['step']}")
         return True
 
@@ -223,8 +235,10 @@ class Trainer:
         self.engine.train()
         bar = tqdm(total=self.total_steps, initial=self.state["step"], desc="train", unit="step",
                    disable=not self.dist.is_main, dynamic_ncols=True, file=sys.stderr)
+        step_times: list[float] = []  # this process's steps but its first (warm-up), for the budget
+        first = True
         while self.state["step"] < self.total_steps:
-            started = time.perf_counter()
+            started = self.clock()
             lr = self.scheduler.get_last_lr()[0]  # the lr this step uses
             sums, tokens = self._one_step(self.state["step"])
             self.state["step"] += 1
@@ -233,7 +247,14 @@ class Trainer:
             if not math.isfinite(means["loss"]):  # reduced: every process stops together
                 raise FloatingPointError(f"step {step}: loss is {means['loss']} (lower optim.lr?)")
             self.state["tokens"] += tokens
-            elapsed = max(time.perf_counter() - started, 1e-9)
+            elapsed = max(self.clock() - started, 1e-9)
+            self.state["train_seconds"] += elapsed
+            if not first:
+                step_times.append(elapsed)
+            first = False
+            if self._budget_due(step_times):
+                self._fit_to_budget(step_times)
+                bar.total = self.total_steps
             record = {"step": step, **means, "lr": lr,
                       "tokens": self.state["tokens"], "tokens_per_s": tokens / elapsed,
                       "epoch": (step - 1) // self.plan.steps_per_epoch}
@@ -243,11 +264,44 @@ class Trainer:
             bar.update(1)
             last = step == self.total_steps
             if r.output.eval_every and step % r.output.eval_every == 0 and not last:
+                started = self.clock()
                 self.evaluate(step)
+                self.state["train_seconds"] += self.clock() - started
             if (r.output.save_every and step % r.output.save_every == 0) or last:
                 self.save(step)
         bar.close()
         return self.state
+
+    # ------------------------------------------------------------------ time budget
+    def _budget_due(self, step_times: list[float]) -> bool:
+        """A time budget fixes the step count once, after enough timed steps that their mean
+        means something (5% of the planned steps, at least 20; at least 3 timed in this
+        process) and early enough that moving the LR schedule's end changes little."""
+        if self.recipe.optim.max_minutes is None or "total_steps" in self.state:
+            return False
+        return (len(step_times) >= 3 and self.state["step"] >= max(20, self.total_steps // 20)
+                and self.state["step"] < self.total_steps)
+
+    def _fit_to_budget(self, step_times: list[float]) -> None:
+        import torch.distributed as dist
+
+        # every process must stop at the same step: fit to the slowest one's figures
+        figures = torch.tensor([sum(step_times) / len(step_times), self.state["train_seconds"]],
+                               dtype=torch.float64)
+        if self.dist.world_size > 1:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        step_s, spent_s = figures.tolist()
+        budget = self.recipe.optim.max_minutes
+        planned = self.total_steps
+        self._set_total_steps(budget_fit(self.state["step"], planned, spent_s, step_s, budget * 60))
+        self.state["total_steps"] = self.total_steps
+        self._say(f"time budget {budget:g} min (optim.max_minutes): {self.total_steps} of {planned} "
+                  f"steps fit at {step_s:.2f} s a step; the LR schedule ends there")
+
+    def _set_total_steps(self, total: int) -> None:
+        self.total_steps = int(total)
+        if hasattr(self.scheduler, "total_num_steps"):  # cosine / linear decay: end at the new total
+            self.scheduler.total_num_steps = max(self.total_steps, self.warmup_steps, 1)
 
     def _one_step(self, step: int) -> tuple[dict, int]:
         sums: dict[str, float] = {}

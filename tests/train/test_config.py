@@ -66,6 +66,8 @@ def test_good_recipe_is_typed():
     (GOOD.replace("  betas: [0.9, 0.99]", "  betas: [0.9]"), "optim.betas"),        # tuple length
     (GOOD.replace("  dir: runs/x", "  dir: runs/x\n  save_evry: 5"), "output.save_evry"),
     (GOOD + "deepspeed:\n  zero_stage: 7\n", "deepspeed.zero_stage"),               # range
+    (GOOD.replace("  lr: 1e-4", "  lr: 1e-4\n  max_minutes: 0"), "optim.max_minutes"),  # range
+    (GOOD.replace("  lr: 1e-4", "  lr: 1e-4\n  max_minutes: soon"), "optim.max_minutes"),
     (GOOD + "extra_section: 1\n", "extra_section"),
     (GOOD + "loss:\n  nonsense_weight: 1.0\n", "loss.nonsense_weight"),
 ])

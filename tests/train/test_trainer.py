@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,15 @@ def test_batch_plan_is_independent_of_world_size():
         assert one.micro_batch(step, 1) == two[1].micro_batch(step, 0)
     epoch = [i for s in range(one.steps_per_epoch) for a in range(2) for i in one.micro_batch(s, a)]
     assert len(set(epoch)) == len(epoch) == 36  # each sequence at most once per epoch
+
+
+def test_budget_fit_takes_the_steps_that_fit_in_the_time_left():
+    from specdec.train.trainer import budget_fit
+
+    assert budget_fit(20, 1000, 20.0, 1.0, 120.0) == 120          # 100 s left at 1 s a step
+    assert budget_fit(20, 1000, 20.0, 1.0, 3600.0) == 1000        # never more than planned
+    assert budget_fit(20, 1000, 90.0, 1.0, 60.0) == 20            # over budget: stop where it is
+    assert budget_fit(20, 1000, 20.0, 0.3, 29.0) == 50            # partial steps do not count
 
 
 def test_tau_and_calibration():
@@ -178,6 +188,24 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+BUDGET_DRIVER = """
+import itertools, os, signal, sys
+from specdec.train import trainer
+ticks = itertools.count()
+real_init, real_step = trainer.Trainer.__init__, trainer.Trainer._one_step
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    self.clock = lambda: next(ticks) * 0.5  # read twice a step: every step takes 0.5 s
+def one_step(self, step):
+    if step == int(os.environ.get("KILL_AT_STEP", -1)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_step(self, step)
+trainer.Trainer.__init__, trainer.Trainer._one_step = init, one_step
+from specdec.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _train(out: Path, *extra: str, launcher=(sys.executable, "-m", "specdec.train.cli"), check=True):
     cmd = [*launcher, str(TINY / "eagle3.yaml"), f"output.dir={out}", *RUN_ARGS, *extra]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -221,6 +249,37 @@ def test_resume_after_kill_reproduces_the_uninterrupted_run(reference_run, tmp_p
     tags = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert tags == ["step-00000004", "step-00000006"]
     assert any((out / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.slow
+def test_a_time_budget_fixes_the_step_count_and_a_resumed_run_keeps_it(tmp_path):
+    """optim.max_minutes=0.25 (15 s) at 0.5 s a step: the fit at step 20 (10 s spent) leaves room
+    for 10 more steps of the planned 60, and the cosine schedule ends at 30, not 60."""
+    driver = tmp_path / "budget_driver.py"
+    driver.write_text(BUDGET_DRIVER)
+    budget = ["optim.max_steps=60", "optim.max_minutes=0.25", "output.eval_every=0"]
+    launcher = (sys.executable, str(driver))
+    whole = _train(tmp_path / "whole", *budget, launcher=launcher)
+    assert "30 of 60 steps fit" in whole.stderr
+    assert re.search(r"specdec-train: finished in [0-9.]+ min \(target \+ data [0-9.]+, features [0-9.]+, "
+                     r"training [0-9.]+, eval \+ save [0-9.]+\)", whole.stderr)
+    rows = metrics(tmp_path / "whole", "train")
+    assert [r["step"] for r in rows][-1] == 30
+    peak = max(r["lr"] for r in rows)
+    assert rows[-1]["lr"] < 0.02 * peak  # the schedule's end moved to step 30 (at 60 it would be ~0.5)
+    state = json.loads((tmp_path / "whole" / "checkpoints" / "step-00000030" / "trainer_state.json").read_text())
+    assert state["total_steps"] == 30
+
+    out = tmp_path / "killed"
+    os.environ["KILL_AT_STEP"] = "25"  # after the fit and the checkpoint at step 24
+    try:
+        killed = _train(out, *budget, launcher=launcher, check=False)
+    finally:
+        del os.environ["KILL_AT_STEP"]
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _train(out, *budget, launcher=launcher)
+    assert "step-00000024" in resumed.stderr and "steps fit" not in resumed.stderr
+    assert train_losses(out) == pytest.approx(train_losses(tmp_path / "whole"), rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.slow
