@@ -252,7 +252,7 @@ def test_resume_after_kill_reproduces_the_uninterrupted_run(reference_run, tmp_p
 
 
 @pytest.mark.slow
-def test_a_time_budget_fixes_the_step_count_and_a_resumed_run_keeps_it(tmp_path):
+def test_a_time_budget_fixes_the_step_count_and_a_resumed_run_keeps_it(tmp_path, monkeypatch):
     """optim.max_minutes=0.25 (15 s) at 0.5 s a step: the fit at step 20 (10 s spent) leaves room
     for 10 more steps of the planned 60, and the cosine schedule ends at 30, not 60."""
     driver = tmp_path / "budget_driver.py"
@@ -271,11 +271,9 @@ def test_a_time_budget_fixes_the_step_count_and_a_resumed_run_keeps_it(tmp_path)
     assert state["total_steps"] == 30
 
     out = tmp_path / "killed"
-    os.environ["KILL_AT_STEP"] = "25"  # after the fit and the checkpoint at step 24
-    try:
-        killed = _train(out, *budget, launcher=launcher, check=False)
-    finally:
-        del os.environ["KILL_AT_STEP"]
+    monkeypatch.setenv("KILL_AT_STEP", "25")  # after the fit and the checkpoint at step 24
+    killed = _train(out, *budget, launcher=launcher, check=False)
+    monkeypatch.delenv("KILL_AT_STEP")
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = _train(out, *budget, launcher=launcher)
     assert "step-00000024" in resumed.stderr and "steps fit" not in resumed.stderr
