@@ -310,6 +310,9 @@ def parse_args(argv=None):
     p.add_argument("--model", help="model name to request (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"))
     p.add_argument("--out", default="runs/bench/serve")
+    p.add_argument("--step-logs", action="store_true",
+                   help="each server writes one JSON line per engine step to OUT/steps-POLICY.jsonl "
+                        "(specdec-serve --step-log): where each policy's step time goes, side by side")
     p.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="after `--`: arguments for specdec-serve (e.g. -- --target X --head DIR)")
     return p.parse_args(argv)
@@ -344,8 +347,16 @@ def main(argv=None) -> int:
         with contextlib.ExitStack() as stack:
             # Every policy's server is up at once and the policies take turns at each level (the
             # order rotating per round), so a slow spell of the machine hits all of them alike.
-            servers = {name: stack.enter_context(LocalServer(policy, server_args,
-                                                             Path(args.out) / f"server-{policy}.log"))
+            out = Path(args.out)
+
+            def step_log(policy: str) -> list[str]:  # a fresh file per run (the server appends)
+                if not args.step_logs:
+                    return []
+                (out / f"steps-{policy}.jsonl").unlink(missing_ok=True)
+                return ["--step-log", str(out / f"steps-{policy}.jsonl")]
+
+            servers = {name: stack.enter_context(LocalServer(policy, server_args + step_log(policy),
+                                                             out / f"server-{policy}.log"))
                        for name, policy in targets if policy}
             urls = {name: servers[name].base if name in servers else base for name, _ in targets}
             for name, _ in targets:

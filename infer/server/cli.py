@@ -47,11 +47,13 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
               cost_profile: str | None = None, max_queue: int = 256, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None,
               default_max_tokens: int = 256,
-              prefill_chunk: int | None = 512, prefix_cache_mb: float = 1024, drafter_opts: dict | None = None):
+              prefill_chunk: int | None = 512, prefix_cache_mb: float = 1024, drafter_opts: dict | None = None,
+              step_log: str | None = None):
     """Engine + controller + scheduler + FastAPI app for ``target`` (a Target or a name).
 
     The budget grid (``spec_nodes`` / ``spec_depth`` / ``spec_topk``) defaults to the drafter's
     (or the device's) default tree budget as its top level, with powers of two below it.
+    ``step_log``: a file to append one JSON line per engine step to (``StepLog``).
     """
     from specdec.infer.drafters import make_drafter
     from specdec.infer.engine import Engine, SamplingParams
@@ -62,10 +64,11 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     from .controller import ConfidenceTap, make_controller
     from .costmodel import CostModel, default_prior
     from .metrics import ServerMetrics
-    from .scheduler import Scheduler, TorchThread
+    from .scheduler import Scheduler, StepLog, TorchThread
 
     if dtype is not None:  # one concrete dtype for the target and the engine
         dtype = dtype_name(dtype, device, decoding=True)
+    steps = StepLog(step_log) if step_log else None  # opened first: a bad path fails before loading
 
     def build_engine():
         nonlocal target
@@ -91,7 +94,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     name = served_model_name or target.name
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, controller, metrics, max_batch=max_batch, max_queue=max_queue,
-                          torch_thread=torch_thread)
+                          torch_thread=torch_thread, step_log=steps)
     config = ServerConfig(model_name=name, max_len=max_len, api_key=api_key, max_body_bytes=max_body_bytes,
                           max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
                           aliases=(target.name,))
@@ -161,6 +164,10 @@ def parse_args(argv=None):
     p.add_argument("--spec-budget", type=int, help="nodes for always/threshold (default: the grid's largest)")
     p.add_argument("--spec-disable-batch-size", type=int, default=8, help="threshold: plain at this batch size")
     p.add_argument("--cost-profile", help="JSON step-cost model: loaded if present, saved on exit")
+    p.add_argument("--step-log", metavar="FILE",
+                   help="append one JSON line per engine step to FILE: its time split (gap, plan, engine, "
+                        "after), batch, tokens verified, draft nodes, accepted drafts and the policy's arm, "
+                        "to see where a policy wins or loses time")
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -202,7 +209,8 @@ def main(argv=None) -> int:
                         max_queue=args.max_queue, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         default_max_tokens=args.default_max_tokens,
-                        prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb)
+                        prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
+                        step_log=args.step_log)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"specdec-serve: {err}", file=sys.stderr)
         return 2

@@ -94,6 +94,10 @@ class Policy:
     def observe(self, ctl: "SpeculationController", obs: StepObservation) -> None:
         pass
 
+    def arm(self) -> str | None:
+        """What the last ``choose`` played, for the step log (None: nothing beyond the levels)."""
+        return None
+
 
 class AlwaysPolicy(Policy):
     name = "always"
@@ -165,6 +169,9 @@ class ThompsonPolicy(Policy):
         if self._played is not None and obs.accepted:
             self.reward(*self._played, obs.goodput)
         self._played = None
+
+    def arm(self):
+        return None if self._played is None else f"level {self._played[1]}"
 
 
 class GoodputPolicy(Policy):
@@ -359,6 +366,9 @@ class GoodputPolicy(Policy):
                 arms = tuple(a for a in arms if a == "plain" or speed[a] is None or speed[a] >= floor)
         return arms
 
+    def arm(self):
+        return None if self._played is None else self._played[1]
+
     def observe(self, ctl, obs):
         if self._played is not None and obs.accepted:
             seconds = obs.decode_seconds or obs.seconds
@@ -464,6 +474,7 @@ class SpeculationController:
         self.acceptance = AcceptanceTracker(max(max(self.depths), 1), len(grid), prior=acceptance_prior)
         self.confidence = ConfidenceBlend()
         self.last_plan: dict = {}  # request id -> level index of the step in flight
+        self.last_arm: str | None = None  # the policy's arm for the step in flight (``Policy.arm``)
         self.steps = 0
 
     def expected_tokens(self, rids) -> np.ndarray:  # [R, L]
@@ -491,7 +502,7 @@ class SpeculationController:
     def plan(self, rids: list) -> dict:
         """request id -> TreeBudget for the next step (every id gets one)."""
         levels = self.policy.choose(self, list(rids)) if rids else {}
-        self.last_plan = levels
+        self.last_plan, self.last_arm = levels, self.policy.arm()
         return {r: self.grid[levels[r]] for r in rids}
 
     def observe(self, obs: StepObservation) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -90,6 +91,32 @@ class RequestHandle:
                 "mean_budget": round(self.budget_nodes / steps, 3)}
 
 
+class StepLog:
+    """``specdec-serve --step-log FILE``: one JSON line per engine step, saying where its time went
+    (``gap_ms``: since the previous step ended, i.e. commands, admission and any idle wait;
+    ``plan_ms``: the controller's choice; ``engine_ms``, of which ``decode_ms`` decoding; ``after_ms``:
+    feedback, deltas and metrics) and what was decided (``batch``, ``prefill_tokens``, ``tokens``
+    verified, draft ``nodes`` chosen, ``accepted`` drafts, the policy's ``arm``). Two servers' logs on
+    the same load say whether a policy loses in the engine or around it. Written on the engine
+    thread, flushed about once a second."""
+
+    FLUSH_S = 1.0
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", encoding="utf-8")
+        self._start = self._flushed = time.monotonic()
+
+    def write(self, record: dict) -> None:
+        now = time.monotonic()
+        self._file.write(json.dumps({"t": round(now - self._start, 4), **record}) + "\n")
+        if now - self._flushed >= self.FLUSH_S:
+            self._file.flush()
+            self._flushed = now
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class TorchThread:
     """The one thread that makes every torch call of the server: loading, and then the engine loop.
 
@@ -129,7 +156,7 @@ class Scheduler:
 
     def __init__(self, engine, controller: SpeculationController | None, metrics: ServerMetrics,
                  max_batch: int, max_queue: int = 256, idle_poll_s: float = 0.5,
-                 torch_thread: TorchThread | None = None):
+                 torch_thread: TorchThread | None = None, step_log: StepLog | None = None):
         self.engine, self.controller, self.metrics = engine, controller, metrics
         self.max_batch, self.max_queue, self.idle_poll_s = max_batch, max_queue, idle_poll_s
         self._commands: queue.Queue = queue.Queue()
@@ -144,6 +171,8 @@ class Scheduler:
         self.draining = False
         self.active = 0  # submitted and not finished (read by the drain logic)
         self._model_metrics_due = 0.0  # time.monotonic() of the next controller-model update
+        self.step_log = step_log
+        self._step_end = time.perf_counter()  # when the last step's bookkeeping ended (for the step log)
 
     # --- asyncio side ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -219,6 +248,8 @@ class Scheduler:
                 self._fail_running("internal error while decoding")
         for handle in list(self._running.values()) + list(self._waiting):
             self._finish(handle, "abort", "the server stopped")
+        if self.step_log is not None:
+            self.step_log.close()
 
     def _apply(self, kind: str, arg) -> bool:
         if kind == "stop":
@@ -269,6 +300,7 @@ class Scheduler:
 
     def _step(self) -> None:
         rids = list(self._running)
+        t_plan = time.perf_counter()
         budgets = self.controller.plan(rids) if self.controller is not None else None
         t0 = time.perf_counter()
         outputs = self.engine.step(budgets)
@@ -303,9 +335,19 @@ class Scheduler:
         if ctl is not None and time.monotonic() >= self._model_metrics_due:
             self._model_metrics_due = time.monotonic() + MODEL_METRICS_PERIOD_S
             rates, cost = ctl.acceptance.pooled_rates(), ctl.cost.coefficients()
+        nodes = [b.max_nodes for b in used.values()]
         self.metrics.on_step(
-            obs.batch_size, obs.seconds, new_tokens, len(obs.accepted), sum(obs.accepted.values()),
-            [b.max_nodes for b in used.values()], rates, cost)
+            obs.batch_size, obs.seconds, new_tokens, len(obs.accepted), sum(obs.accepted.values()), nodes,
+            rates, cost)
+        if self.step_log is not None:
+            end = time.perf_counter()
+            ms = lambda s: round(1e3 * s, 3)  # noqa: E731
+            self.step_log.write({
+                "gap_ms": ms(t_plan - self._step_end), "plan_ms": ms(t0 - t_plan), "engine_ms": ms(wall),
+                "decode_ms": ms(obs.decode_seconds), "after_ms": ms(end - t0 - wall), "batch": obs.batch_size,
+                "prefill_tokens": obs.prefill_tokens, "tokens": obs.tokens, "nodes": sum(nodes),
+                "accepted": sum(obs.accepted.values()), "arm": ctl.last_arm if ctl is not None else None})
+            self._step_end = end
 
 
 def observation(stats, wall: float) -> StepObservation:

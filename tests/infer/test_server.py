@@ -296,7 +296,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_target):
 
 def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
     """`specdec-bench --serve` starts `specdec-serve` (a subprocess on a free port), loads it at two
-    concurrencies, stops it with SIGTERM (exit code 0) and writes JSON + Markdown + PNG."""
+    concurrencies, stops it with SIGTERM (exit code 0) and writes JSON + Markdown + PNG, and with
+    --step-logs each server's per-step log."""
     from specdec.infer.bench import serve_load
 
     questions = tmp_path / "q.jsonl"
@@ -306,8 +307,8 @@ def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     assert serve_load.main(["--policies", "plain,goodput", "--concurrency", "1,2", "--num-prompts", "3",
                             "--warmup", "2", "--rounds", "2", "--max-tokens", "8", "--questions", str(questions),
-                            "--out", str(out), "--", "--target", "tiny-llama", "--method", "pld", "--max-len", "256",
-                            "--log-level", "warning"]) == 0
+                            "--out", str(out), "--step-logs", "--", "--target", "tiny-llama", "--method", "pld",
+                            "--max-len", "256", "--log-level", "warning"]) == 0
     report = json.loads((out / "serve_bench.json").read_text())
     assert report["servers"]["goodput"]["exit_code"] == 0 and report["servers"]["plain"]["exit_code"] == 0
     for policy in ("plain", "goodput"):
@@ -323,6 +324,22 @@ def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
             assert min(lv["throughput_rounds"]) <= lv["throughput_tok_s"] * (1 + 1e-9)
             assert lv["throughput_tok_s"] <= max(lv["throughput_rounds"]) * (1 + 1e-9)
     assert (out / "serve_bench.png").stat().st_size > 0
+    for policy in ("plain", "goodput"):  # every step of every request, the warm-up's included
+        steps = [json.loads(ln) for ln in (out / f"steps-{policy}.jsonl").read_text().splitlines()]
+        levels = report["runs"][policy]
+        # a decoding row adds its accepted drafts + 1; each request's first token comes from its prefill
+        requests = report["warmup"] + sum(lv["requests"] for lv in levels)
+        added = sum(s["batch"] + s["accepted"] for s in steps)
+        assert added + requests >= sum(lv["output_tokens"] for lv in levels)
+        assert max(s["batch"] for s in steps) == 2 and sum(s["prefill_tokens"] for s in steps) > 0
+        assert all(s["engine_ms"] > 0 and s["gap_ms"] >= 0 and s["after_ms"] >= 0 and s["t"] >= 0 for s in steps)
+        arms = {s["arm"] for s in steps}
+        if policy == "plain":  # no drafter, no controller
+            assert arms == {None} and all(s["nodes"] == 0 for s in steps)
+        else:
+            assert arms and arms <= {"plain", "model", "full"}, arms
+            # a decode step drafts exactly when the arm speculates
+            assert all((s["nodes"] == 0) == (s["arm"] == "plain") for s in steps if s["batch"]), steps
     table = (out / "serve_bench.md").read_text()
     assert "| goodput | 2 |" in table and "| plain | 1 |" in table and " ± " in table and "% |" in table
 
