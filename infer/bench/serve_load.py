@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import step_logs
+
 POLICIES = ("plain", "always", "threshold", "thompson", "goodput")
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -269,6 +271,8 @@ def write_report(report: dict, out: Path) -> list[Path]:
                          f"{fmt(ms(lv['ttft_s'], 'p99'))} | {fmt(ms(lv['tpot_s'], 'p50'))} | "
                          f"{fmt(ms(lv['tpot_s'], 'p99'))} | {fmt(lv['tau'], '{:.2f}')} | "
                          f"{fmt(lv['mean_budget'], '{:.1f}')} | {cached(lv)} |")
+    if report.get("step_logs"):
+        lines += ["", *step_logs.markdown(report["step_logs"])]
     paths[1].write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -381,6 +385,9 @@ def main(argv=None) -> int:
                    for name, s in servers.items()}
         report = {"model": model, "max_tokens": args.max_tokens, "concurrency": levels, "warmup": len(warmup),
                   "rounds": args.rounds, "runs": runs, "servers": servers}
+        logs = {name: Path(args.out) / f"steps-{policy}.jsonl" for name, policy in targets if policy}
+        if args.step_logs and logs:
+            report["step_logs"] = {name: step_logs.summarize(path) for name, path in logs.items() if path.exists()}
         for path in write_report(report, Path(args.out)):
             print(path)
     except (BenchError, ValueError) as err:

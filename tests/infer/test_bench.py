@@ -152,3 +152,28 @@ def test_plain_policy_server_drops_the_head(tmp_path):
     assert plain[plain.index("--method") + 1] == "plain" and "bfloat16" in plain and "32" in plain
     goodput = LocalServer("goodput", args, tmp_path / "log").cmd
     assert goodput[goodput.index("--head") + 1] == "runs/h" and "--spec-policy" in goodput
+
+
+def test_step_log_summary_by_batch_size(tmp_path):
+    """`specdec-serve --step-log` lines -> one row per batch-size bucket, prefill-only steps left out."""
+    from specdec.infer.bench.step_logs import bucket, markdown, summarize
+
+    def step(batch, accepted=0, nodes=0, prefill=0, engine=10.0):
+        return {"t": 0.0, "gap_ms": 0.5, "plan_ms": 0.25, "engine_ms": engine, "decode_ms": engine,
+                "after_ms": 0.25, "batch": batch, "prefill_tokens": prefill, "tokens": batch + nodes,
+                "nodes": nodes, "accepted": accepted, "arm": None}
+
+    steps = [step(1), step(1, accepted=3, nodes=4, engine=14.0), step(0, prefill=50, engine=40.0),
+             step(2, prefill=20, engine=19.0), step(3), step(9)]
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    rows = summarize(log)
+    assert [r["batch"] for r in rows] == ["1", "2-3", "8-15"] and [bucket(b) for b in (1, 4, 7, 32)] == \
+        ["1", "4-7", "4-7", "32-63"]
+    one, two = rows[0], rows[1]
+    assert one["steps"] == 2 and one["speculating"] == 0.5 and one["tokens_per_step"] == 2.5
+    assert one["engine_ms"] == 12.0 and one["around_ms"] == 1.0
+    assert one["tokens_per_s"] == pytest.approx(1e3 * 5 / 26.0)  # 5 tokens in 2 x (engine + 1 ms around)
+    assert two["steps"] == 2 and two["with_prefill"] == 0.5 and two["tokens_per_step"] == 2.5
+    table = markdown({"goodput": rows})
+    assert "| goodput | 1 | 2 | 50% | 0% | 2.50 | 12.00 | 1.00 | 192.3 |" in table

@@ -340,7 +340,11 @@ def test_bench_serve_runs_the_real_cli_per_policy(tmp_path):
             assert arms and arms <= {"plain", "model", "full"}, arms
             # a decode step drafts exactly when the arm speculates
             assert all((s["nodes"] == 0) == (s["arm"] == "plain") for s in steps if s["batch"]), steps
+    summary = report["step_logs"]  # the logs, by batch size: batches of 1 and 2 here
+    assert [r["batch"] for r in summary["plain"]] == ["1", "2-3"] and summary["goodput"][0]["steps"] > 0
+    assert all(r["speculating"] == 0 for r in summary["plain"])
     table = (out / "serve_bench.md").read_text()
+    assert "## Where the step time went" in table and "| goodput | 2-3 |" in table
     assert "| goodput | 2 |" in table and "| plain | 1 |" in table and " ± " in table and "% |" in table
 
 
