@@ -10,7 +10,8 @@ import pytest
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.server.controller import (
-    DIP_STEPS, GoodputPolicy, StepObservation, ThompsonPolicy, best_plan, budget_grid, make_controller)
+    DIP_STEPS, REPLAN_STEPS, GoodputPolicy, StepObservation, ThompsonPolicy, best_plan, budget_grid,
+    make_controller)
 from specdec.infer.server.costmodel import AcceptanceTracker, CostModel, CostPrior
 
 
@@ -269,8 +270,9 @@ def test_goodput_bigger_batches_keep_only_arms_that_beat_plain(model_vs_plain, k
 
 def test_goodput_asks_the_models_only_when_their_plan_is_played():
     """Planning is Python on the engine's hot path: once plain decoding leads a bucket, only the
-    steps that explore the models' plan consult them, and that plan is then the models' current
-    choice (no hysteresis carried over from steps that played another arm)."""
+    steps that explore the models' plan consult them, the first of each run of such steps (its
+    next REPLAN_STEPS - 1 reuse that plan), and that plan is then the models' current choice (no
+    hysteresis carried over from steps that played another arm)."""
     ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)))
     speed = {0: 100.0, 2: 60.0, 8: 40.0}  # plain is fastest at batch 4
     rids = ["a", "b", "c", "d"]
@@ -287,7 +289,31 @@ def test_goodput_asks_the_models_only_when_their_plan_is_played():
     late = range(200, 400)
     model_steps = [s for s in late if played[s] == 2]  # the models' plan (the full tree is 8)
     assert played[200:].count(0) >= 0.9 * 200
-    assert [s for s in asked if s >= 200] == model_steps
+    run_start = [s for s in model_steps if s - 1 not in model_steps]
+    assert run_start and [s for s in asked if s >= 200] == [
+        s for s in model_steps if (s - max(r for r in run_start if r <= s)) % REPLAN_STEPS == 0]
+
+
+def test_model_arm_reuses_its_plan_for_the_same_requests_a_few_steps():
+    """The models plan again every REPLAN_STEPS steps in a row, at once when the batch's requests
+    change or another arm played in between."""
+    ctl = make_controller("goodput", grid=budget_grid((0, 2, 8)))
+    policy, planned = ctl.policy, []
+    plan_now = policy._speculating_plan
+    policy._speculating_plan = lambda c, r, *a: planned.append(ctl.steps) or plan_now(c, r, *a)
+
+    def play(rids, steps):
+        for _ in range(steps):
+            policy._model_arm(ctl, rids)
+            ctl.steps += 1
+
+    play(["a", "b"], 2 * REPLAN_STEPS + 1)
+    assert planned == [0, REPLAN_STEPS, 2 * REPLAN_STEPS]
+    play(["a", "c"], 2)  # a request left, another joined
+    assert planned[-2:] == [2 * REPLAN_STEPS, 2 * REPLAN_STEPS + 1]
+    ctl.steps += 1  # a step of another arm
+    play(["a", "c"], 1)
+    assert planned[-1] == ctl.steps - 1 and len(planned) == 5
 
 
 def test_model_arm_prices_plans_as_the_engine_pads_them():
