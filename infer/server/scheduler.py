@@ -103,7 +103,10 @@ class StepLog:
     FLUSH_S = 1.0
 
     def __init__(self, path: str):
-        self._file = open(path, "a", encoding="utf-8")
+        try:
+            self._file = open(path, "a", encoding="utf-8")
+        except OSError as err:
+            raise OSError(f"cannot write the step log {path}: {err.strerror or err}") from err
         self._start = self._flushed = time.monotonic()
 
     def write(self, record: dict) -> None:

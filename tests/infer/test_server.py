@@ -406,3 +406,13 @@ def test_a_negative_prefix_cache_is_refused_before_loading(capsys):
 
     assert main(["--prefix-cache-mb", "-1"]) == 2
     assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
+
+
+def test_an_unwritable_step_log_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from specdec.infer.server import cli, scheduler
+
+    started = []  # the thread that would load the target
+    monkeypatch.setattr(scheduler, "TorchThread", lambda *a, **k: started.append(1))
+    path = tmp_path / "missing" / "steps.jsonl"
+    assert cli.main(["--step-log", str(path), "--method", "plain"]) == 2
+    assert f"cannot write the step log {path}" in capsys.readouterr().err and not started
