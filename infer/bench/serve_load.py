@@ -348,16 +348,18 @@ def main(argv=None) -> int:
             if len({p for _, p in targets}) != len(targets):
                 raise BenchError(f"policies repeat in {args.policies!r}: each runs once per round (see --rounds)")
         passes: dict[str, dict[int, list]] = {name: {c: [] for c in levels} for name, _ in targets}
+        out = Path(args.out)
+        log_path = lambda policy: out / f"steps-{policy}.jsonl"  # noqa: E731
+
+        def step_log(policy: str) -> list[str]:  # a fresh file per run (the server appends)
+            if not args.step_logs:
+                return []
+            log_path(policy).unlink(missing_ok=True)
+            return ["--step-log", str(log_path(policy))]
+
         with contextlib.ExitStack() as stack:
             # Every policy's server is up at once and the policies take turns at each level (the
             # order rotating per round), so a slow spell of the machine hits all of them alike.
-            out = Path(args.out)
-
-            def step_log(policy: str) -> list[str]:  # a fresh file per run (the server appends)
-                if not args.step_logs:
-                    return []
-                (out / f"steps-{policy}.jsonl").unlink(missing_ok=True)
-                return ["--step-log", str(out / f"steps-{policy}.jsonl")]
 
             servers = {name: stack.enter_context(LocalServer(policy, server_args + step_log(policy),
                                                              out / f"server-{policy}.log"))
@@ -385,10 +387,10 @@ def main(argv=None) -> int:
                    for name, s in servers.items()}
         report = {"model": model, "max_tokens": args.max_tokens, "concurrency": levels, "warmup": len(warmup),
                   "rounds": args.rounds, "runs": runs, "servers": servers}
-        logs = {name: Path(args.out) / f"steps-{policy}.jsonl" for name, policy in targets if policy}
-        if args.step_logs and logs:
-            report["step_logs"] = {name: step_logs.summarize(path) for name, path in logs.items() if path.exists()}
-        for path in write_report(report, Path(args.out)):
+        if args.step_logs and servers:
+            report["step_logs"] = {name: step_logs.summarize(log_path(policy)) for name, policy in targets
+                                   if policy and log_path(policy).exists()}
+        for path in write_report(report, out):
             print(path)
     except (BenchError, ValueError) as err:
         print(f"specdec-bench --serve: {err}", file=sys.stderr)
