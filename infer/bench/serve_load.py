@@ -360,7 +360,6 @@ def main(argv=None) -> int:
         with contextlib.ExitStack() as stack:
             # Every policy's server is up at once and the policies take turns at each level (the
             # order rotating per round), so a slow spell of the machine hits all of them alike.
-
             servers = {name: stack.enter_context(LocalServer(policy, server_args + step_log(policy),
                                                              out / f"server-{policy}.log"))
                        for name, policy in targets if policy}
