@@ -48,6 +48,9 @@ MODEL_PRIOR_WEIGHT = 2.0  # pairs the models' call is worth where a big batch st
 # server's event loop: at batch 2, where the model arm led, ~4% of its steps (step logs, session 44).
 # Its estimates move over tens of steps, so a plan 3 steps old is as good; hysteresis counts plans.
 REPLAN_STEPS = 4
+# A batch of 4 or more new to the gate starts speculating (the models' call) only where the nearest
+# smaller batch size measured plain decoding at most this fraction of its speculating leader's speed.
+SPEC_START_LEAD = 0.8
 
 
 def budget_grid(nodes=(0, 2, 4, 8, 16, 32), max_depth: int = 6, topk: int = 4) -> list[TreeBudget]:
@@ -250,8 +253,8 @@ class GoodputPolicy(Policy):
         plan = default = None
         if regime not in self.gate.leader:
             big = bucket >= BIG_BUCKET
-            below = self._leader_below(bucket, measured=big)
-            if below == "plain" or (big and below is None):
+            plain_below = self._plain_below(bucket, measured=big)
+            if plain_below == 1.0 or (big and (plain_below is None or plain_below > SPEC_START_LEAD)):
                 # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
                 # where the next smaller one decodes plainly, rather than from the models' guess (their
                 # cost model is fitted mostly on smaller batches), and lets the pairs promote
@@ -261,7 +264,11 @@ class GoodputPolicy(Policy):
                 # per step until the pairs demote it (offline twin of a fresh server at concurrency 16:
                 # 0.62x plain), a wrong plain start only the gain of the steps until they promote
                 # speculation. (Batch 4-7 too: a fresh server's ramp passes it, and the level's tail
-                # comes back to it.)
+                # comes back to it.) And so does one where the smaller batch speculated but
+                # measured plain decoding within ``SPEC_START_LEAD`` of it: a small lead there is
+                # gone one bucket up (step logs, concurrency 4: the models' plan led batch 2-3 at
+                # 1.05x plain, and batch 4-7, started on the full tree, ran it at 0.63x for its
+                # first ~35 steps until the pairs demoted it).
                 default = "plain"
                 plan = self._seed_behind(ctl, rids, regime)
             else:
@@ -326,12 +333,14 @@ class GoodputPolicy(Policy):
                     self.alone_prior[arm] = [d * n + 1.0, d * s + x + shift]
         self.gate.forget(regime)
 
-    def _leader_below(self, bucket: int, measured: bool = False):
-        """The arm leading at the nearest smaller batch-size bucket that has one (None: none);
-        measured: only where plain decoding's standing there is known (plain leads, or pairs rate it)."""
+    def _plain_below(self, bucket: int, measured: bool = False):
+        """Plain decoding's tokens/s relative to the leader at the nearest smaller batch-size bucket
+        that has one (1.0: plain leads there; None: no such bucket, or plain unrated there);
+        measured: only buckets where plain's standing is known count."""
         g = self.gate
-        return next((g.leader[b] for b in range(bucket - 1, -1, -1)
-                     if b in g.leader and (not measured or g.relative(b, "plain") is not None)), None)
+        b = next((b for b in range(bucket - 1, -1, -1)
+                  if b in g.leader and (not measured or g.relative(b, "plain") is not None)), None)
+        return None if b is None else g.relative(b, "plain")
 
     def _seed_behind(self, ctl, rids, regime) -> dict:
         """Where a big batch starts plain, the speculating arms the models predict slower than

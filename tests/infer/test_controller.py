@@ -10,7 +10,7 @@ import pytest
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.server.controller import (
-    DIP_STEPS, REPLAN_STEPS, GoodputPolicy, StepObservation, ThompsonPolicy, best_plan, budget_grid,
+    DIP_STEPS, REPLAN_STEPS, SPEC_START_LEAD, GoodputPolicy, StepObservation, ThompsonPolicy, best_plan, budget_grid,
     make_controller)
 from specdec.infer.server.costmodel import AcceptanceTracker, CostModel, CostPrior
 
@@ -483,10 +483,13 @@ def test_goodput_starts_a_bigger_batch_plain_where_a_smaller_one_decodes_plainly
     assert ctl.policy.gate.leader[5] == "plain"
 
 
-def test_goodput_starts_a_big_batch_plain_unless_a_smaller_one_measured_speculation_faster():
+@pytest.mark.parametrize("plain_there, starts", [(0.7, 8), (0.95, 0)])
+def test_goodput_starts_a_big_batch_plain_unless_a_smaller_one_measured_speculation_faster(plain_there, starts):
     """From batch 4 on, a new batch size follows the models' call (here: speculate) only where a
-    smaller batch size measured speculation against plain and found it faster: a leader there by
-    default alone (the few steps of a busy server's ramp) does not count."""
+    smaller batch size measured speculation against plain and found it clearly faster (plain at
+    most SPEC_START_LEAD of it there): a leader there by default alone (the few steps of a busy
+    server's ramp) does not count, nor does a lead of a few per cent."""
+    assert 0.7 < SPEC_START_LEAD < 0.95
     cheap = CostPrior(a=0.030, b=0.0, c=0.0001)
     rids = [f"r{i}" for i in range(16)]
     nodes = lambda ctl, n: max(b.max_nodes for b in ctl.plan(rids[:n]).values())  # noqa: E731
@@ -494,9 +497,9 @@ def test_goodput_starts_a_big_batch_plain_unless_a_smaller_one_measured_speculat
     assert nodes(fresh, 2) == 8 and nodes(fresh, 16) == 0  # bucket 1 by default only: plain at 16
     measured = make_controller("goodput", grid=budget_grid((0, 2, 8)), cost=CostModel(prior=cheap))
     assert nodes(measured, 2) == 8
-    x = math.log(0.7)  # batch 2-3 measured plain at 0.7x the full tree
+    x = math.log(plain_there)  # batch 2-3 measured plain at this fraction of the full tree's speed
     measured.policy.gate.pairs[(1, "plain")] = [4.0, 4 * x, 4 * x * x]
-    assert nodes(measured, 16) == 8
+    assert nodes(measured, 16) == starts
 
 
 def test_goodput_starts_a_request_decoding_alone_from_the_ones_before_it():
