@@ -254,7 +254,11 @@ class GoodputPolicy(Policy):
         if regime not in self.gate.leader:
             big = bucket >= BIG_BUCKET
             plain_below = self._plain_below(bucket, measured=big)
-            if plain_below == 1.0 or (big and (plain_below is None or plain_below > SPEC_START_LEAD)):
+            if big:
+                start_plain = plain_below is None or plain_below > SPEC_START_LEAD
+            else:
+                start_plain = plain_below is not None and plain_below >= 1.0  # plain leads there
+            if start_plain:
                 # Speculation only gets dearer as batches grow: a new, bigger batch size starts plain
                 # where the next smaller one decodes plainly, rather than from the models' guess (their
                 # cost model is fitted mostly on smaller batches), and lets the pairs promote
