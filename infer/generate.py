@@ -43,12 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_opts(pairs: list[str]) -> dict:
+def parse_opts(pairs: list[str], prog: str = "specdec-generate") -> dict:
+    """``--opt KEY=VALUE`` pairs -> drafter options (shared with ``specdec-bench``)."""
     opts = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"specdec-generate: --opt expects KEY=VALUE, got {pair!r}")
+            raise SystemExit(f"{prog}: --opt expects KEY=VALUE, got {pair!r}")
         try:
             opts[key] = json.loads(value)  # numbers, booleans, lists; anything else stays a string
         except json.JSONDecodeError:
@@ -56,14 +57,15 @@ def parse_opts(pairs: list[str]) -> dict:
     return opts
 
 
-def parse_budget(text: str | None) -> TreeBudget | None:
+def parse_budget(text: str | None, prog: str = "specdec-generate") -> TreeBudget | None:
+    """``--budget NODES,DEPTH,TOPK`` -> a TreeBudget (None: the drafter's own)."""
     if text is None:
         return None
     try:
         nodes, depth, topk = (int(x) for x in text.split(","))
-    except ValueError:
-        raise SystemExit(f"specdec-generate: --budget expects NODES,DEPTH,TOPK, got {text!r}") from None
-    return TreeBudget(nodes, depth, topk)
+        return TreeBudget(nodes, depth, topk)
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"{prog}: --budget expects NODES,DEPTH,TOPK (whole numbers), got {text!r}: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,10 @@ each category, then the second of each, ...), so a small N still covers every ca
 The methods take turns question by question (each on its own engine), so a machine that slows
 down or speeds up during the run does not bias their ratios.
 
-example:
+examples:
   specdec-bench --target smollm2-135m --methods plain,pld,lookahead,rest --limit 26 --out runs/bench
+  # the τ a head would reach with the GPU's tree, measured on a CPU (τ does not depend on speed)
+  specdec-bench --methods eagle3=HEAD --budget 60,7,10 --opt min_frontier_mass=0 --out runs/gpu-tree
 """
 
 
@@ -51,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"target dtype for every method, HF included; {AUTO_DECODING_HELP} "
                         "(default: %(default)s)")
     p.add_argument("--runs", type=int, default=1, help="timed passes; >1 adds *_std fields (default: 1)")
+    p.add_argument("--budget", default=None, metavar="NODES,DEPTH,TOPK",
+                   help="draft tree budget of every speculative method (default: each drafter's own, "
+                        "tuned for the device: e.g. 4,4,3 on a CPU with native bf16, 60,7,10 on a GPU)")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="drafter option for every speculative method (repeatable; a method that does not "
+                        "take it says so), e.g. --opt min_frontier_mass=0 to grow a head's tree as on a GPU")
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="output folder")
@@ -79,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args):
+    from dataclasses import asdict
+
     import torch
+
+    from specdec.infer.generate import parse_budget, parse_opts
 
     from specdec.infer.bench import report, specbench
     from specdec.infer.target import load_target
@@ -92,10 +104,13 @@ def run(args):
     methods = specbench.parse_methods(args.methods)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     questions = specbench.load_questions(args.questions, cats, args.limit)
+    budget = parse_budget(args.budget, prog="specdec-bench")
+    drafter_opts = parse_opts(args.opt, prog="specdec-bench")
     args.dtype = dtype_name(args.dtype, device, decoding=True)  # results.json records the dtype that ran
     target = load_target(args.target, dtype=args.dtype, device=device)
     answers = specbench.run_benchmark(target, methods, questions, args.max_new_tokens, args.runs,
-                                      device, progress=False if args.no_progress else None)
+                                      device, progress=False if args.no_progress else None,
+                                      budget=budget, drafter_opts=drafter_opts)
     settings = {
         "questions": str(args.questions or specbench.DEFAULT_QUESTIONS),
         "categories": list(dict.fromkeys(str(q.get("category", "default")) for q in questions)),
@@ -103,6 +118,7 @@ def run(args):
         "question_ids": [q["question_id"] for q in questions],
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "runs": args.runs,
         "methods": {s.label: {"name": s.name, "value": s.value} for s in methods},
+        "budget": None if budget is None else asdict(budget), "drafter_opts": drafter_opts,
         "batch_size": 1, "temperature": 0.0, "warmup": "first question once, untimed, per method",
         "order": "methods interleaved question by question, rotating",
     }

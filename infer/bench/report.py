@@ -49,6 +49,17 @@ def _fmt(m: dict, key: str, digits: int = 2, suffix: str = "") -> str:
     return text
 
 
+def _tree_settings(s: dict) -> list[str]:
+    """The header line for ``--budget`` / ``--opt`` (none when every drafter ran its own)."""
+    parts = []
+    if s.get("budget"):
+        b = s["budget"]
+        parts.append(f"tree budget {b['max_nodes']} nodes, depth {b['max_depth']}, top-{b['topk']}")
+    if s.get("drafter_opts"):
+        parts.append("drafter options " + ", ".join(f"{k}={v}" for k, v in s["drafter_opts"].items()))
+    return [f"- every speculative method: {'; '.join(parts)}"] if parts else []
+
+
 def markdown(data: dict) -> str:
     s, methods = data["settings"], data["methods"]
     cats = list(next(iter(methods.values()))["categories"])
@@ -65,6 +76,7 @@ def markdown(data: dict) -> str:
         f"- questions: {s['n_questions']} from `{s['questions']}` "
         f"({', '.join(cats)}); max_new_tokens {s['max_new_tokens']}; runs {s['runs']}; "
         "batch 1, greedy, warm-up on the first question",
+        *_tree_settings(s),
         "- speedup = mean per-question speed (new tokens / wall time, prefill included) over that "
         "of plain decoding in this runtime; vs HF = over HF transformers `generate()`; τ = mean "
         "tokens added per decoding step; identical = outputs equal to plain greedy",

@@ -148,17 +148,24 @@ class Turn:
 class EngineGenerator:
     """A specdec method through ``specdec.infer.api.LLM`` (batch 1, greedy)."""
 
-    def __init__(self, target, spec: MethodSpec, max_len: int, device: str):
+    def __init__(self, target, spec: MethodSpec, max_len: int, device: str, budget=None,
+                 drafter_opts: dict | None = None):
         from specdec.infer.api import LLM
 
-        self.llm = LLM(target, max_batch=1, max_len=max_len, device=device, **spec.llm_kwargs())
+        speculative = spec.name != PLAIN  # the baseline keeps no drafter, so nothing to set
+        self.budget = budget if speculative else None
+        opts = dict(drafter_opts or {}) if speculative else {}
+        try:
+            self.llm = LLM(target, max_batch=1, max_len=max_len, device=device, **spec.llm_kwargs(), **opts)
+        except (TypeError, ValueError) as err:  # e.g. an --opt this drafter does not take
+            raise BenchError(f"method {spec.label!r}: {err}") from err
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
         from specdec.infer.api import SamplingParams
 
         _sync()
         t0 = time.perf_counter()
-        out = self.llm.generate([prompt_ids], SamplingParams(max_tokens=max_new_tokens))[0]
+        out = self.llm.generate([prompt_ids], SamplingParams(max_tokens=max_new_tokens), budget=self.budget)[0]
         _sync()
         seconds = time.perf_counter() - t0
         return Turn(list(out.token_ids), seconds, [a + 1 for a in out.stats.get("accepted_per_step", [])])
@@ -287,8 +294,10 @@ def machine_info(device: str) -> dict:
 
 
 def run_benchmark(target, methods: list[MethodSpec], questions: list[dict], max_new_tokens: int = 256,
-                  runs: int = 1, device: str = "cpu", progress: bool | None = None) -> dict[str, list[list[Answer]]]:
-    """answers[label][run][question] for every method (hf and plain included).
+                  runs: int = 1, device: str = "cpu", progress: bool | None = None, budget=None,
+                  drafter_opts: dict | None = None) -> dict[str, list[list[Answer]]]:
+    """answers[label][run][question] for every method (hf and plain included). ``budget`` (a
+    TreeBudget) and ``drafter_opts`` go to every speculative method (None: each drafter's own).
 
     The methods take turns question by question (the order rotating from one question to the
     next), not one whole pass after another: a shared or throttled machine drifts by 15-20%
@@ -308,7 +317,8 @@ def run_benchmark(target, methods: list[MethodSpec], questions: list[dict], max_
         generators = {}
         for spec in methods:
             bar.set_postfix_str(f"warm-up {spec.label}")
-            generate = HFGenerator(target) if spec.name == HF else EngineGenerator(target, spec, max_len, device)
+            generate = (HFGenerator(target) if spec.name == HF else
+                        EngineGenerator(target, spec, max_len, device, budget, drafter_opts))
             answer_question(generate, tok, questions[0], max_new_tokens)  # warm-up, untimed
             generators[spec.label] = generate
             bar.update(1)

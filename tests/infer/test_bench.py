@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from specdec.heads.tree import TreeBudget
 from specdec.infer.bench import cli, specbench
 from specdec.infer.bench.specbench import BenchError, Turn
 
@@ -130,6 +131,44 @@ def test_bench_end_to_end_on_the_tiny_target(tiny_target_dir, tmp_path):
     assert res["methods"]["pld"]["overall"]["tau"] >= 1.0
     md = (out / "results.md").read_text()
     assert "| pld |" in md and "published" in md.lower() and "Vicuna-7B" in md
+
+
+def test_budget_and_drafter_options_reach_every_speculative_method(tiny_target_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    """--budget goes to every speculative method's steps (plain keeps none) and caps what a step
+    accepts (1 node: τ <= 2); the settings record it and the options; an --opt a drafter does not
+    take fails naming the method."""
+    from specdec.infer.api import LLM
+
+    seen = {}
+    generate = LLM.generate
+
+    def recording(self, prompts, params=None, chat=False, budget=None, on_output=None):
+        seen.setdefault(self.method, set()).add(budget)
+        return generate(self, prompts, params, chat, budget, on_output)
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    qfile = write_questions(tmp_path / "q.jsonl", QUESTIONS[:2])
+
+    def bench(*extra):
+        out = tmp_path / f"out{len(extra)}"
+        rc = cli.main(["--target", str(tiny_target_dir), "--methods", "plain,pld", "--questions", qfile,
+                       "--max-new-tokens", "24", "--no-progress", "--out", str(out), *extra])
+        return rc, out
+
+    rc, out = bench("--budget", "1,1,1", "--opt", "max_ngram=3")
+    assert rc == 0
+    assert seen == {"plain": {None}, "pld": {TreeBudget(1, 1, 1)}}
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["budget"] == {"max_nodes": 1, "max_depth": 1, "topk": 1}
+    assert res["settings"]["drafter_opts"] == {"max_ngram": 3}
+    assert "tree budget 1 nodes, depth 1, top-1; drafter options max_ngram=3" in (out / "results.md").read_text()
+    pld = res["methods"]["pld"]["overall"]
+    assert 1.0 <= pld["tau"] <= 2.0 and pld["identical_rate"] == 1.0
+    assert bench("--opt", "telepathy=1")[0] == 2
+    assert "method 'pld'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--budget expects NODES,DEPTH,TOPK"):
+        bench("--budget", "4,0,2")
 
 
 def test_cli_errors_and_serve_dispatch(tmp_path, capsys):
