@@ -91,9 +91,8 @@ def run(args):
 
     import torch
 
-    from specdec.infer.generate import parse_budget, parse_opts
-
     from specdec.infer.bench import report, specbench
+    from specdec.infer.generate import parse_budget, parse_opts
     from specdec.infer.target import load_target
 
     if args.max_new_tokens < 1:
