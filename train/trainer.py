@@ -101,6 +101,9 @@ def schedule_steps(recipe: Recipe, steps_per_epoch: int) -> tuple[int, int]:
     return total, min(warmup, total)
 
 
+REFIT_AT = (0.5, 0.75)  # shares of the run at which a time budget fits the step count again
+
+
 def budget_fit(done: int, total: int, spent_s: float, step_s: float, budget_s: float) -> int:
     """Steps a run may take in all: as many as its time budget leaves room for at ``step_s``
     seconds a step after ``spent_s`` already spent, never fewer than ``done`` nor more than ``total``."""
@@ -188,6 +191,7 @@ class Trainer:
         self.plan = GlobalBatchPlan(len(train_source), o.micro_batch_size, o.grad_accum,
                                     dist.world_size, dist.rank, o.seed, lengths=train_source.lengths())
         self.total_steps, self.warmup_steps = schedule_steps(recipe, self.plan.steps_per_epoch)
+        self.planned_steps = self.total_steps  # the recipe's count, before any time budget
         # bf16 training casts the whole module, the parameters optim.freeze keeps included: their
         # exact starting values are saved instead, so a frozen LM head stays the target's rows
         saved = head.saved_state_dict() if self.bf16 else {}
@@ -236,6 +240,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.state["step"], desc="train", unit="step",
                    disable=not self.dist.is_main, dynamic_ncols=True, file=sys.stderr)
         step_times: list[float] = []  # this process's steps but its first (warm-up), for the budget
+        self._fit_from = 0  # step_times[_fit_from:] were timed since this process's last fit
         first = True
         while self.state["step"] < self.total_steps:
             started = self.clock()
@@ -253,7 +258,8 @@ class Trainer:
                 step_times.append(elapsed)
             first = False
             if self._budget_due(step_times):
-                self._fit_to_budget(step_times)
+                self._fit_to_budget(step_times[self._fit_from:])
+                self._fit_from = len(step_times)
                 bar.total = self.total_steps
             record = {"step": step, **means, "lr": lr,
                       "tokens": self.state["tokens"], "tokens_per_s": tokens / elapsed,
@@ -274,13 +280,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ time budget
     def _budget_due(self, step_times: list[float]) -> bool:
-        """A time budget fixes the step count once, after enough timed steps that their mean
-        means something (5% of the planned steps, at least 20; at least 3 timed in this
-        process) and early enough that moving the LR schedule's end changes little."""
-        if self.recipe.optim.max_minutes is None or "total_steps" in self.state:
+        """A time budget fixes the step count after enough timed steps that their mean means
+        something (5% of the planned steps, at least 20; at least 3 timed in this process), early
+        enough that moving the LR schedule's end changes little; then fits it again at REFIT_AT of
+        the run, from the steps timed since, as a machine's speed drifts (the EAGLE-3 recipe's
+        first 50 steps took 0.99 s, the run 1.13 s a step on average: 18.4 of its 16 minutes)."""
+        if self.recipe.optim.max_minutes is None or self.state["step"] >= self.total_steps:
             return False
-        return (len(step_times) >= 3 and self.state["step"] >= max(20, self.total_steps // 20)
-                and self.state["step"] < self.total_steps)
+        if "total_steps" not in self.state:
+            return len(step_times) >= 3 and self.state["step"] >= max(20, self.total_steps // 20)
+        fits = self.state.get("budget_fits", 1)
+        return (fits <= len(REFIT_AT) and self.state["step"] >= REFIT_AT[fits - 1] * self.total_steps
+                and len(step_times) - self._fit_from >= 3)
 
     def _fit_to_budget(self, step_times: list[float]) -> None:
         import torch.distributed as dist
@@ -292,11 +303,16 @@ class Trainer:
             dist.all_reduce(figures, op=dist.ReduceOp.MAX)
         step_s, spent_s = figures.tolist()
         budget = self.recipe.optim.max_minutes
-        planned = self.total_steps
+        first = "total_steps" not in self.state
+        before = self.total_steps
+        planned = self.planned_steps  # a re-fit may give steps back, up to the recipe's count
         self._set_total_steps(budget_fit(self.state["step"], planned, spent_s, step_s, budget * 60))
         self.state["total_steps"] = self.total_steps
-        self._say(f"time budget {budget:g} min (optim.max_minutes): {self.total_steps} of {planned} "
-                  f"steps fit at {step_s:.2f} s a step; the LR schedule ends there")
+        self.state["budget_fits"] = self.state.get("budget_fits", 0) + 1
+        if first or self.total_steps != before:
+            self._say(f"time budget {budget:g} min (optim.max_minutes): {self.total_steps} of {planned} "
+                      f"steps fit at {step_s:.2f} s a step{'' if first else ' (re-fit)'}; the LR "
+                      "schedule ends there")
 
     def _set_total_steps(self, total: int) -> None:
         self.total_steps = int(total)

@@ -192,10 +192,16 @@ BUDGET_DRIVER = """
 import itertools, os, signal, sys
 from specdec.train import trainer
 ticks = itertools.count()
+slow_from = int(os.environ.get("SLOW_FROM_STEP", 1 << 30))
+now = [0.0]
+def clock():  # read twice a step: a step takes 0.5 s, or 1 s from step SLOW_FROM_STEP (0-based) on
+    i = next(ticks)
+    now[0] += 0.5 if i < 2 * slow_from else 1.0
+    return now[0]
 real_init, real_step = trainer.Trainer.__init__, trainer.Trainer._one_step
 def init(self, *args, **kwargs):
     real_init(self, *args, **kwargs)
-    self.clock = lambda: next(ticks) * 0.5  # read twice a step: every step takes 0.5 s
+    self.clock = clock
 def one_step(self, step):
     if step == int(os.environ.get("KILL_AT_STEP", -1)):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -278,6 +284,25 @@ def test_a_time_budget_fixes_the_step_count_and_a_resumed_run_keeps_it(tmp_path,
     resumed = _train(out, *budget, launcher=launcher)
     assert "step-00000024" in resumed.stderr and "steps fit" not in resumed.stderr
     assert train_losses(out) == pytest.approx(train_losses(tmp_path / "whole"), rel=1e-6, abs=1e-7)
+
+
+def test_a_time_budget_fits_again_when_steps_slow_down(tmp_path, monkeypatch):
+    """The fit at step 20 (0.5 s a step: 30 of 60 steps in 15 s); from step 21 on a step takes 1 s,
+    so the re-fit at half the run, from the 3 steps timed since, leaves room for 25 steps in all,
+    and the run ends within its budget."""
+    driver = tmp_path / "budget_driver.py"
+    driver.write_text(BUDGET_DRIVER)
+    monkeypatch.setenv("SLOW_FROM_STEP", "20")
+    out = tmp_path / "slow"
+    run = _train(out, "optim.max_steps=60", "optim.max_minutes=0.25", "output.eval_every=0",
+                 launcher=(sys.executable, str(driver)))
+    assert "30 of 60 steps fit at 0.50 s" in run.stderr
+    assert "25 of 60 steps fit at 1.00 s a step (re-fit)" in run.stderr
+    rows = metrics(out, "train")
+    assert [r["step"] for r in rows][-1] == 25
+    assert rows[-1]["lr"] < 0.02 * max(r["lr"] for r in rows)  # the schedule's end moved again
+    state = json.loads((out / "checkpoints" / "step-00000025" / "trainer_state.json").read_text())
+    assert state["total_steps"] == 25 and state["train_seconds"] <= 15.0
 
 
 @pytest.mark.slow
