@@ -64,7 +64,7 @@ def parse_budget(text: str | None, prog: str = "specdec-generate") -> TreeBudget
     try:
         nodes, depth, topk = (int(x) for x in text.split(","))
         return TreeBudget(nodes, depth, topk)
-    except (ValueError, TypeError) as err:
+    except ValueError as err:  # not three whole numbers, or a TreeBudget that cannot be
         raise SystemExit(f"{prog}: --budget expects NODES,DEPTH,TOPK (whole numbers), got {text!r}: {err}") from None
 
 

@@ -240,7 +240,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.state["step"], desc="train", unit="step",
                    disable=not self.dist.is_main, dynamic_ncols=True, file=sys.stderr)
         step_times: list[float] = []  # this process's steps but its first (warm-up), for the budget
-        self._fit_from = 0  # step_times[_fit_from:] were timed since this process's last fit
+        fit_from = 0  # step_times[fit_from:] were timed since this process's last fit
         first = True
         while self.state["step"] < self.total_steps:
             started = self.clock()
@@ -257,9 +257,9 @@ class Trainer:
             if not first:
                 step_times.append(elapsed)
             first = False
-            if self._budget_due(step_times):
-                self._fit_to_budget(step_times[self._fit_from:])
-                self._fit_from = len(step_times)
+            if self._budget_due(len(step_times) - fit_from):
+                self._fit_to_budget(step_times[fit_from:])
+                fit_from = len(step_times)
                 bar.total = self.total_steps
             record = {"step": step, **means, "lr": lr,
                       "tokens": self.state["tokens"], "tokens_per_s": tokens / elapsed,
@@ -279,19 +279,20 @@ class Trainer:
         return self.state
 
     # ------------------------------------------------------------------ time budget
-    def _budget_due(self, step_times: list[float]) -> bool:
+    def _budget_due(self, timed: int) -> bool:
         """A time budget fixes the step count after enough timed steps that their mean means
         something (5% of the planned steps, at least 20; at least 3 timed in this process), early
         enough that moving the LR schedule's end changes little; then fits it again at REFIT_AT of
         the run, from the steps timed since, as a machine's speed drifts (the EAGLE-3 recipe's
-        first 50 steps took 0.99 s, the run 1.13 s a step on average: 18.4 of its 16 minutes)."""
-        if self.recipe.optim.max_minutes is None or self.state["step"] >= self.total_steps:
+        first 50 steps took 0.99 s, the run 1.13 s a step on average: 18.4 of its 16 minutes).
+        ``timed``: this process's steps timed since its last fit (all of them before the first)."""
+        step = self.state["step"]
+        if self.recipe.optim.max_minutes is None or step >= self.total_steps or timed < 3:
             return False
         if "total_steps" not in self.state:
-            return len(step_times) >= 3 and self.state["step"] >= max(20, self.total_steps // 20)
+            return step >= max(20, self.total_steps // 20)
         fits = self.state.get("budget_fits", 1)
-        return (fits <= len(REFIT_AT) and self.state["step"] >= REFIT_AT[fits - 1] * self.total_steps
-                and len(step_times) - self._fit_from >= 3)
+        return fits <= len(REFIT_AT) and step >= REFIT_AT[fits - 1] * self.total_steps
 
     def _fit_to_budget(self, step_times: list[float]) -> None:
         import torch.distributed as dist

@@ -154,7 +154,7 @@ class EngineGenerator:
 
         speculative = spec.name != PLAIN  # the baseline keeps no drafter, so nothing to set
         self.budget = budget if speculative else None
-        opts = dict(drafter_opts or {}) if speculative else {}
+        opts = (drafter_opts or {}) if speculative else {}
         try:
             self.llm = LLM(target, max_batch=1, max_len=max_len, device=device, **spec.llm_kwargs(), **opts)
         except (TypeError, ValueError) as err:  # e.g. an --opt this drafter does not take
