@@ -178,6 +178,27 @@ void scores_transposed(const float* q, int64_t R, const uint16_t* k, int64_t sl,
 
 // Beyond this many query rows the gathered score loop is faster (2-core AVX-512 machine).
 constexpr int64_t kTransposeRows = 8;
+// Query rows attended at a time (a prefill chunk has thousands): bounds the scores buffer, and a
+// block reads keys only up to the last one any of its rows may see (`present_keys`).
+constexpr int64_t kRowBlock = 48;
+
+// 1 + the index of the last key that any of `rows` mask rows leaves present (not -inf), searched
+// from key L-1 down, 32 at a time; 1 if none. Keys past it weigh exactly 0 in every row, so leaving
+// them out changes no bit: under a causal mask the first rows of a prefill chunk read few keys.
+int64_t present_keys(const uint16_t* mask, int64_t rows, int64_t mask_row, int64_t L) {
+  const __m512i absent = _mm512_set1_epi16(static_cast<short>(0xff80));  // bf16 -inf
+  for (int64_t hi = L; hi > 0; hi -= 32) {
+    const int64_t lo = std::max<int64_t>(0, hi - 32);
+    const __mmask32 live = static_cast<__mmask32>((hi - lo == 32 ? 0xffffffffull : (1ull << (hi - lo)) - 1));
+    __mmask32 present = 0;  // keys lo..hi-1 that some row sees
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i m = _mm512_maskz_loadu_epi16(live, mask + r * mask_row + lo);
+      present |= _mm512_mask_cmpneq_epi16_mask(live, m, absent);
+    }
+    if (present) return lo + 32 - __builtin_clz(present);  // 1 + the highest such key
+  }
+  return 1;
+}
 
 // One (sequence, kv head): R query rows (fp32, pre-scaled) against L keys whose rows are `sl`
 // elements apart. Rows go RB at a time, so their accumulators stay in registers.
@@ -280,16 +301,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t Lp = (longest + 15) / 16 * 16;
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), sl = k.stride(2);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(R * Lp), kept(Lp);
+    std::vector<float> scores(std::min(R, kRowBlock) * Lp), kept(Lp);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / H, h = i % H, off = row_slot[b] * ks0 + h * ks1;
-      const uint16_t* mrow = mp == nullptr ? nullptr : mp + b * mb + h * mh;
-      if (D == 64)
-        attend<64, 4>(qp + i * R * D, R, kp + off, vp + off, sl, row_len[b], mrow, mr, scores.data(), Lp,
-                      op + i * R * D, kept.data());
-      else
-        attend<128, 2>(qp + i * R * D, R, kp + off, vp + off, sl, row_len[b], mrow, mr, scores.data(), Lp,
-                       op + i * R * D, kept.data());
+      for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+        const int64_t nr = std::min(kRowBlock, R - r0), at = (i * R + r0) * D;
+        const uint16_t* mrow = mp == nullptr ? nullptr : mp + b * mb + h * mh + r0 * mr;
+        const int64_t keys = mrow == nullptr ? row_len[b] : present_keys(mrow, nr, mr, row_len[b]);
+        if (D == 64)
+          attend<64, 4>(qp + at, nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
+        else
+          attend<128, 2>(qp + at, nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
+      }
     }
   });
   return out;

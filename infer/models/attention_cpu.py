@@ -19,7 +19,13 @@ softmax. Per layer call, K/V cold in cache as in a real step (30 layers in turn)
 length), so a batch of uneven contexts neither pads to the longest nor gathers copies (batch 16
 of Spec-Bench contexts: a decode step 36.0 ms with SDPA, 31.2 with the kernel over the padded
 batch, 26.3 reading each row's own keys). The lean decoder calls it where ``takes`` says: bf16
-on a CPU with AVX-512, head_dim 64 or 128, up to ``KERNEL_MAX_ROWS`` query rows. Everywhere else, and wherever the kernel cannot be
+on a CPU with AVX-512, head_dim 64 or 128, for every step, prefill included. Each row's result is
+the same bits whatever rows sit beside it, so a prompt prefilled whole, in chunks, in a padded
+batch or after a prefix-cache hit gives its tokens the same K/V and logits, and greedy output does
+not depend on the batch or the cache (with SDPA's causal kernel for whole prompts, 6 of 10 Spec-Bench
+replies changed behind a cached system prompt, and 3 of 4 at batch 4). Rows go 48 at a time,
+each block reading keys only up to the last one its mask leaves present, so a causal prefill
+skips the masked half. Everywhere else, and wherever the kernel cannot be
 built (no C++ compiler; ``SPECDEC_CPU_ATTENTION=0`` turns it off), the decoder keeps SDPA;
 ``reference`` is what the tests hold the kernel to. The kernel is compiled once per machine by
 ``torch.utils.cpp_extension`` (~15 s, cached under ``TORCH_EXTENSIONS_DIR``, by default
@@ -36,9 +42,6 @@ from torch import Tensor
 from .cpp_kernels import CppKernel
 
 NAME = "specdec_cpu_attention"
-# Query rows per kv head up to which the kernel measured at least SDPA's speed (1 x 700 keys,
-# 192 rows: 799 vs 870 us; a 512-token prefill chunk, 1,536 rows: 9.5 vs 8.5 ms).
-KERNEL_MAX_ROWS = 192
 # -fopenmp: without it ATen's parallel_for (over batch x kv heads) compiles to a serial loop.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-ffp-contract=off", "-fopenmp"]
 
@@ -61,12 +64,12 @@ def unavailable_reason() -> str | None:
     return KERNEL.unavailable_reason()
 
 
-def takes(dtype: torch.dtype, device: torch.device, head_dim: int, rows: int) -> bool:
-    """Whether the kernel serves this attention: bf16 on an AVX-512 CPU, head_dim 64 or 128, at
-    most ``KERNEL_MAX_ROWS`` query rows per kv head (decode and verification steps; a prefill
-    chunk keeps SDPA's flash kernel)."""
+def takes(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether the kernel serves this attention: bf16 on an AVX-512 CPU, head_dim 64 or 128. It
+    then serves every step, prefill included, so that a token's bits never depend on how its
+    prompt was split or batched (see the module docstring)."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in (64, 128)
-            and rows <= KERNEL_MAX_ROWS and kernel() is not None)
+            and kernel() is not None)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,

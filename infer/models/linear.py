@@ -14,10 +14,12 @@ where the CPU computes it natively (AVX512-BF16). Elsewhere on an AVX2 CPU bf16 
 ``linear_cpu.cpp`` from two rows on (PyTorch's emulated bf16 matmul there grew with the rows:
 a 16-token verification cost 5.7-7x a decode step, 2.2x with the kernel; a single row keeps
 PyTorch's GEMV, the faster one there). On a CPU with AVX512-BF16, bf16 runs in
-``linear_bf16_cpu.cpp`` up to ``NATIVE_MAX_ROWS`` rows (decoding, trees, batched steps): oneDNN's
-call overhead (~18 us, 121 calls a SmolLM2 step) and its read rate cost a step ~30% more there,
-and the kernel gives each row the same bits whatever the number of rows beside it. Prefill-sized
-calls keep ``F.linear``. Other devices keep ``F.linear``.
+``linear_bf16_cpu.cpp`` at every row count: oneDNN's call overhead (~18 us, 121 calls a SmolLM2
+step) and its read rate cost a decode step ~30% more, and the kernel gives each row the same bits
+whatever the rows beside it. Prefill takes it too (on par with oneDNN up to 4,096 rows, ~10% slower
+at 8,192; SmolLM2 shapes, 2-core EPYC), so that with the attention kernel a token's bits do not
+depend on how its prompt was chunked, batched or taken from the prefix cache. Other devices keep
+``F.linear``.
 """
 from __future__ import annotations
 
@@ -57,9 +59,6 @@ NATIVE_BF16_KERNEL = CppKernel("specdec_cpu_linear_bf16", Path(__file__).with_na
                                ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
                                "specdec_cpu_linear_bf16.linear", "native bf16 linear", "SPECDEC_CPU_LINEAR",
                                _native_bf16_reason)
-# Rows up to which the kernel measured at least oneDNN's speed (SmolLM2 shapes, 2-core EPYC: within
-# +-15% from 64 to 512 rows, 1.2-4x faster below 32); larger calls (prefill chunks) take F.linear.
-NATIVE_MAX_ROWS = 256
 GROUP = 64  # output rows per packed group (kGroup in the kernel)
 
 
@@ -106,7 +105,7 @@ class DecodeLinear:
             self.kernel = BF16_KERNEL.get()
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.native is not None and x.dtype == torch.bfloat16 and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]:
+        if self.native is not None and x.dtype == torch.bfloat16:
             op, packed, bias = self.native
             return _on_rows(op, x, packed, bias, self.weight.shape[0])
         if self.packed is not None and x.dtype == self.weight.dtype:

@@ -179,10 +179,14 @@ class LeanCausalLM:
         at position 0, attention needs no mask and takes SDPA's causal kernel (a 1,000-token
         prompt: 12 instead of 20 ms per layer on the 2-core CPU). Right padding does not stop it:
         a real token never sees the later padding columns under the causal rule, and what the
-        padding tokens compute is dropped (32 Spec-Bench prompts in padded groups: 790 -> 830-870 tok/s)."""
+        padding tokens compute is dropped (32 Spec-Bench prompts in padded groups: 790 -> 830-870 tok/s).
+        Where the CPU attention kernel serves bf16, prefill takes it with the mask instead, so that
+        a token's bits do not depend on the chunking, the batch or the prefix cache (a whole prompt
+        costs 0-4% more up to 1,000 tokens, 19% at 2,000; see attention_cpu)."""
         bsz, n = tokens.shape
-        plain_causal = causal and max(access.base_list) == 0
         x = F.embedding(tokens, self.embed)                                  # [B, N, H]
+        plain_causal = (causal and max(access.base_list) == 0
+                        and not attention_cpu.takes(x.dtype, x.device, self.layers[0].head_dim))
         if self.embed_scale is not None:
             x = x * self.embed_scale
         self._rope_table(max(access.base_list) + n)  # bounds every position, no device sync
@@ -206,7 +210,7 @@ class LeanCausalLM:
                 # (~9% of a 13-node verification's attention at a 673-token context).
                 additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
                 additive = additive.repeat(1, 1, layer.group, 1)                     # [B, 1, g*N, L]
-                if attention_cpu.takes(x.dtype, x.device, layer.head_dim, layer.group * n):
+                if attention_cpu.takes(x.dtype, x.device, layer.head_dim):
                     masks[key] = additive  # one kernel call a layer, each row reading its own keys
                 else:
                     masks[key] = [additive if g.rows is None else additive[g.rows, :, :, :g.length]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.infer.models import attention_cpu
+from specdec.infer.models import attention_cpu, linear
 
 needs_kernel = pytest.mark.skipif(attention_cpu.unavailable_reason() is not None,
                                   reason=f"no CPU attention kernel here: {attention_cpu.unavailable_reason()}")
@@ -130,12 +130,11 @@ def test_bad_inputs_name_the_problem():
 
 def test_takes_bf16_decode_steps_on_cpu_with_its_head_dims():
     cpu = torch.device("cpu")
-    assert not attention_cpu.takes(torch.float32, cpu, 64, 3)  # fp32 stays SDPA (the exact tests)
-    assert not attention_cpu.takes(torch.bfloat16, cpu, 32, 3)
-    assert not attention_cpu.takes(torch.bfloat16, cpu, 64, 3 * 512)  # a prefill chunk: SDPA
+    assert not attention_cpu.takes(torch.float32, cpu, 64)  # fp32 stays SDPA (the exact tests)
+    assert not attention_cpu.takes(torch.bfloat16, cpu, 32)
     available = attention_cpu.unavailable_reason() is None
-    assert attention_cpu.takes(torch.bfloat16, cpu, 64, 3) == available
-    assert attention_cpu.takes(torch.bfloat16, cpu, 128, 39) == available
+    assert attention_cpu.takes(torch.bfloat16, cpu, 64) == available
+    assert attention_cpu.takes(torch.bfloat16, cpu, 128) == available
 
 
 def verify_ragged(target):
@@ -171,10 +170,62 @@ def test_lean_verification_with_the_kernel_is_as_close_to_fp32_as_sdpa(tmp_path,
     real = attention_cpu.attend
     monkeypatch.setattr(attention_cpu, "attend", lambda *a: calls.append(a[0].shape) or real(*a))
     with_kernel = verify_ragged(bf16)
-    assert {s[2] for s in calls} == {2, 26}  # plain rows (g=2 x 1 token) and the trees (2 x 13)
+    # the prefills (g=2 x 60, 5, 33 tokens), plain rows (2 x 1 token) and the trees (2 x 13)
+    assert {s[2] for s in calls} == {120, 10, 66, 2, 26}
     monkeypatch.setattr(attention_cpu, "takes", lambda *a: False)
     with_sdpa = verify_ragged(bf16)
     for want, kern, sdpa in zip(exact, with_kernel, with_sdpa):
         kern_err, sdpa_err = (kern - want).abs().max(), (sdpa - want).abs().max()
         assert kern_err <= 1.5 * sdpa_err + 0.05, (kern_err, sdpa_err)
         assert (kern.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_kernel
+def test_a_causal_prefill_row_gets_the_bits_it_gets_alone():
+    """A 250-row causal block (six row blocks of 48, each reading keys only up to the last its
+    mask leaves present) gives every row exactly what that row computes alone over its own keys:
+    what makes a prompt prefilled whole, in chunks or behind a prefix-cache hit the same bits."""
+    gen = torch.Generator().manual_seed(7)
+    n, scale = 250, 64 ** -0.5
+    q, k, v = (torch.randn(1, 2, n, 64, generator=gen).bfloat16() for _ in range(3))
+    causal = torch.zeros(1, 1, n, n).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    whole = attention_cpu.attend(q, k, v, causal.bfloat16(), scale)
+    torch.testing.assert_close(whole.float(), attention_cpu.reference(q, k, v, causal, scale).float(),
+                               atol=2e-2, rtol=2e-2)
+    for i in [0, 1, 47, 48, 95, 96, 240, 249]:
+        alone = attention_cpu.attend(q[:, :, i:i + 1], k, v, None, scale, lengths=torch.tensor([i + 1]))
+        assert torch.equal(whole[:, :, i:i + 1], alone), i
+
+
+needs_native_linear = pytest.mark.skipif(
+    linear.NATIVE_BF16_KERNEL.unavailable_reason() is not None,
+    reason=f"no native bf16 linear kernel here: {linear.NATIVE_BF16_KERNEL.unavailable_reason()}")
+
+
+@needs_kernel
+@needs_native_linear
+def test_bf16_logits_do_not_depend_on_chunking_or_batching(tmp_path):
+    """With both CPU kernels, a 300-token prompt's bf16 logits and features are the same bits
+    prefilled whole, in chunks of 128 (as chunked prefill and a prefix-cache hit run it), or padded
+    beside a shorter prompt; and so is the next decoded token's. Before the kernels served prefill,
+    SDPA's causal kernel and oneDNN gave each layout its own roundings, and greedy replies drifted
+    with the batch and the cache."""
+    from specdec.infer.runner import TargetRunner
+    from specdec.infer.target import load_target
+    from specdec.infer.tiny import build_tiny_target
+
+    folder = build_tiny_target(tmp_path / "t", seed=3, hidden_size=256, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=512, num_hidden_layers=2)
+    runner = TargetRunner(load_target(str(folder), dtype="bfloat16"), max_batch=4, max_len=400, impl="lean")
+    gen = torch.Generator().manual_seed(0)
+    ids, other = torch.randint(256, (300,), generator=gen), torch.randint(256, (37,), generator=gen)
+    whole, whole_feats = runner.prefill(0, ids)
+    for start in range(0, 300, 128):
+        chunked, chunk_feats = runner.prefill(1, ids[start:start + 128], start=start)
+    batched, batch_feats = runner.prefill_batch([2, 3], [other, ids])
+    assert torch.equal(whole, chunked) and torch.equal(whole, batched[1])
+    for name, feat in whole_feats.items():
+        assert torch.equal(feat[-44:], chunk_feats[name]) and torch.equal(feat, batch_feats[1][name]), name
+    nxt = whole.argmax().view(1)
+    after = [runner.prefill(slot, nxt, start=300)[0] for slot in (0, 1, 3)]
+    assert torch.equal(after[0], after[1]) and torch.equal(after[0], after[2])

@@ -166,7 +166,7 @@ def test_cpp_kernel_switched_off_by_its_environment_variable(monkeypatch, tmp_pa
 
 # ---------------------------------------------------------------------- linear_bf16_cpu.cpp
 
-from specdec.infer.models.linear import NATIVE_MAX_ROWS, pack_rows  # noqa: E402
+from specdec.infer.models.linear import pack_rows  # noqa: E402
 
 needs_native = pytest.mark.skipif(NATIVE_BF16_KERNEL.unavailable_reason() is not None,
                                   reason=f"no native bf16 kernel here: {NATIVE_BF16_KERNEL.unavailable_reason()}")
@@ -205,16 +205,20 @@ def test_native_kernel_gives_each_row_the_same_bits_at_any_batch():
 
 
 @needs_native
-def test_decode_linear_sends_prefill_sized_calls_to_f_linear():
+def test_decode_linear_sends_prefill_sized_calls_to_the_kernel_too():
+    """A 600-row prefill call takes the kernel, so a prompt's rows get the bits they get alone
+    (chunked prefill and the prefix cache then change nothing)."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(16, 40, generator=g).bfloat16()
     lin = DecodeLinear(w)
     op, packed, bias = lin.native
     calls = []
     lin.native = (lambda *a: calls.append(a[0].shape) or op(*a), packed, bias)
-    small, big = torch.randn(2, 3, 40, generator=g).bfloat16(), torch.randn(NATIVE_MAX_ROWS + 1, 40, generator=g).bfloat16()
+    small, big = torch.randn(2, 3, 40, generator=g).bfloat16(), torch.randn(600, 40, generator=g).bfloat16()
     assert lin(small).shape == (2, 3, 16) and calls == [(6, 40)]
-    assert torch.equal(lin(big), F.linear(big, w)) and len(calls) == 1
+    whole = lin(big)
+    assert calls[1] == (600, 40)
+    assert torch.equal(whole[:7], lin(big[:7])) and torch.equal(whole[599:], lin(big[599:]))
     assert DecodeLinear(torch.randn(16, 41).bfloat16()).native is None  # an odd width has no pairs
 
 
