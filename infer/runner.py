@@ -78,6 +78,9 @@ class TargetRunner:
         if min(lens, default=0) < 1:
             raise ValueError("prefill needs at least one token per sequence")
         starts = [0] * len(slots) if starts is None else list(starts)
+        piece = getattr(self.backend, "prefill_piece", None)
+        if piece is not None and max(lens) > piece:
+            return self._prefill_in_pieces(slots, ids_list, starts, piece)
         n, dev = max(lens), self.device
         tokens = torch.zeros(len(slots), n, dtype=torch.long, device=dev)   # [B, N]
         for b, ids in enumerate(ids_list):
@@ -94,6 +97,20 @@ class TargetRunner:
         feats = [self._features(hidden[b, :lens[b]], None if aux is None else aux[b, :lens[b]])
                  for b in range(len(slots))]
         return logits, feats
+
+    def _prefill_in_pieces(self, slots, ids_list, starts, piece: int):
+        """``prefill_batch`` as forwards of at most ``piece`` tokens a sequence (the backend's
+        bound): each sequence's logits from the piece holding its last token, its features joined."""
+        logits, feats = [None] * len(slots), [[] for _ in slots]
+        for at in range(0, max(len(ids) for ids in ids_list), piece):
+            rows = [b for b, ids in enumerate(ids_list) if len(ids) > at]
+            lg, ft = self.prefill_batch([slots[b] for b in rows], [ids_list[b][at:at + piece] for b in rows],
+                                        [starts[b] + at for b in rows])
+            for j, b in enumerate(rows):
+                logits[b] = lg[j]
+                feats[b].append(ft[j])
+        joined = [{k: torch.cat([f[k] for f in parts]) for k in parts[0]} for parts in feats]
+        return torch.stack(logits), joined
 
     # ------------------------------------------------------------------ verify / commit
     def verify(self, slots, tree: DraftTree, base_lens) -> tuple[Tensor, dict[str, Tensor]]:

@@ -229,3 +229,7 @@ def test_bf16_logits_do_not_depend_on_chunking_or_batching(tmp_path):
     nxt = whole.argmax().view(1)
     after = [runner.prefill(slot, nxt, start=300)[0] for slot in (0, 1, 3)]
     assert torch.equal(after[0], after[1]) and torch.equal(after[0], after[2])
+    assert runner.backend.prefill_piece is not None  # the kernel bounds a forward's tokens ...
+    runner.backend.prefill_piece = 100                # ... and pieces change no bit either
+    pieced, pieced_feats = runner.prefill(2, ids)
+    assert torch.equal(whole, pieced) and all(torch.equal(f, pieced_feats[k]) for k, f in whole_feats.items())

@@ -281,6 +281,31 @@ def test_batched_and_chunked_prefill_match_single(tiny_target, impl):
     torch.testing.assert_close(chunk_logits, logits[1], atol=ATOL, rtol=1e-4)
 
 
+def test_prefill_in_pieces_matches_one_forward(tiny_target):
+    """A backend that bounds a forward's tokens (``prefill_piece``, the bf16 CPU kernel's) gets a
+    ragged batch in pieces: logits of each last token, all features and the cache as in one
+    forward, a sequence that ends before the last piece included."""
+    spec = FeatureSpec(hidden=True, aux_layers=(0, 3))
+    whole = TargetRunner(tiny_target, max_batch=3, max_len=64, feature_spec=spec, impl="lean")
+    pieces = TargetRunner(tiny_target, max_batch=3, max_len=64, feature_spec=spec, impl="lean")
+    pieces.backend.prefill_piece = 8
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(256, (n,), generator=gen) for n in (21, 5, 16)]
+    want, want_feats = whole.prefill_batch([0, 1, 2], prompts, [0, 0, 0])
+    widths, forward = [], pieces.backend.forward
+    pieces.backend.forward = lambda tokens, *a, **k: widths.append(tokens.shape) or forward(tokens, *a, **k)
+    got, got_feats = pieces.prefill_batch([0, 1, 2], prompts, [0, 0, 0])
+    assert widths == [(3, 8), (2, 8), (1, 5)]  # the 5-token prompt leaves after the first piece
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    for b, n in enumerate((21, 5, 16)):
+        for k in ("hidden", "aux"):
+            assert got_feats[b][k].shape[0] == n
+            torch.testing.assert_close(got_feats[b][k], want_feats[b][k], atol=ATOL, rtol=1e-4)
+    for mine, theirs in zip(pieces.cache.layers(), whole.cache.layers()):
+        for slot, n in enumerate((21, 5, 16)):
+            torch.testing.assert_close(mine[slot, :, :n], theirs[slot, :, :n], atol=ATOL, rtol=1e-4)
+
+
 def test_runner_errors_are_named(tiny_target):
     runner = TargetRunner(tiny_target, max_batch=1, max_len=16)
     with pytest.raises(CacheFullError, match="max_len=16"):
