@@ -22,8 +22,8 @@ batch, 26.3 reading each row's own keys). The lean decoder calls it where ``take
 on a CPU with AVX-512, head_dim 64 or 128, for every step, prefill included. Each row's result is
 the same bits whatever rows sit beside it, so a prompt prefilled whole, in chunks, in a padded
 batch or after a prefix-cache hit gives its tokens the same K/V and logits, and greedy output does
-not depend on the batch or the cache (with SDPA's causal kernel for whole prompts, 6 of 10 Spec-Bench
-replies changed behind a cached system prompt, and 3 of 4 at batch 4). Rows go 48 at a time,
+not depend on the batch or the cache (with SDPA's causal kernel for whole prompts, 7 of 10
+load-generator replies changed after a prefix-cache hit, and 3 of 4 at batch 4). Rows go 48 at a time,
 each block reading keys only up to the last one its mask leaves present, so a causal prefill
 skips the masked half. Everywhere else, and wherever the kernel cannot be
 built (no C++ compiler; ``SPECDEC_CPU_ATTENTION=0`` turns it off), the decoder keeps SDPA;

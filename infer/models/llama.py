@@ -187,7 +187,7 @@ class LeanCausalLM:
         padding tokens compute is dropped (32 Spec-Bench prompts in padded groups: 790 -> 830-870 tok/s).
         Where the CPU attention kernel serves bf16, prefill takes it with the mask instead, so that
         a token's bits do not depend on the chunking, the batch or the prefix cache (a whole prompt
-        costs 0-4% more up to 1,000 tokens, 19% at 2,000; see attention_cpu)."""
+        costs 0-4% more up to 1,000 tokens, 18% at 2,000; see attention_cpu)."""
         bsz, n = tokens.shape
         x = F.embedding(tokens, self.embed)                                  # [B, N, H]
         plain_causal = (causal and max(access.base_list) == 0
