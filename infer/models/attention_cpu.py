@@ -15,6 +15,12 @@ softmax. Per layer call, K/V cold in cache as in a real step (30 layers in turn)
     4 x 700, 39                    1,332 us    767 us
     16 x 400, 12                     958 us    758 us
 
+Since session 49 a batch too small to keep both threads busy splits its rows between them (batch
+1: 3 kv heads on 2 threads), and the softmax compresses its kept weights in a register (Zen 4
+microcodes the memory form of ``vcompressps``): batch 1, 400 keys, 30 layer calls, 4-node tree
+1.81 -> 1.24 ms, 13 nodes 4.64 -> 3.09; a prompt's row blocks spread over the threads too (a
+2,000-token prefill 2.83 -> 2.25 s). Neither changes a bit.
+
 ``attend`` also reads each sequence's own keys in place in the static cache (its slot, its
 length), so a batch of uneven contexts neither pads to the longest nor gathers copies (batch 16
 of Spec-Bench contexts: a decode step 36.0 ms with SDPA, 31.2 with the kernel over the padded

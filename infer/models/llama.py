@@ -186,8 +186,9 @@ class LeanCausalLM:
         a real token never sees the later padding columns under the causal rule, and what the
         padding tokens compute is dropped (32 Spec-Bench prompts in padded groups: 790 -> 830-870 tok/s).
         Where the CPU attention kernel serves bf16, prefill takes it with the mask instead, so that
-        a token's bits do not depend on the chunking, the batch or the prefix cache (a whole prompt
-        costs 0-4% more up to 1,000 tokens, 18% at 2,000; see attention_cpu)."""
+        a token's bits do not depend on the chunking, the batch or the prefix cache (session 48: 0-4%
+        slower than SDPA up to 1,000 tokens, 18% at 2,000; session 49 spread the kernel's row blocks
+        over the threads: 2,000 tokens 2.83 -> 2.25 s back to back; see attention_cpu)."""
         bsz, n = tokens.shape
         x = F.embedding(tokens, self.embed)                                  # [B, N, H]
         plain_causal = (causal and max(access.base_list) == 0

@@ -97,6 +97,24 @@ def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_alone(head_dim, nod
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [6, 21, 39])
+def test_rows_split_over_the_threads_keep_their_bits(rows):
+    """At batch 1 the kernel splits a tree's rows into blocks so that two threads share its 3 kv
+    heads; at batch 2 it does not. A sequence alone must get the bits it gets beside another."""
+    gen = torch.Generator().manual_seed(rows)
+    q, k, v, mask, slots, lengths = random_case(gen, 2, 3, rows, 64, 2, 200)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pair = attention_cpu.attend(q, k, v, mask, 0.125, slots, lengths)
+        for b in range(2):
+            alone = attention_cpu.attend(q[b:b + 1], k, v, mask[b:b + 1], 0.125, slots[b:b + 1], lengths[b:b + 1])
+            assert torch.equal(alone, pair[b:b + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_defaults_read_every_row_in_order_and_a_strided_view():
     """No slots/lengths: row b is cache row b with all its keys; a view of a longer cache (rows
     strided by max_len) reads only the viewed keys; a mask broadcast over batch and heads works."""
