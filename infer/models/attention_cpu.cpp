@@ -192,14 +192,14 @@ constexpr int64_t kSplitRows = 3;
 // 1 + the index of the last key that any of `rows` mask rows leaves present (not -inf), searched
 // from key L-1 down, 32 at a time; 1 if none. Keys past it weigh exactly 0 in every row, so leaving
 // them out changes no bit: under a causal mask the first rows of a prefill chunk read few keys.
-int64_t present_keys(const uint16_t* mask, int64_t rows, int64_t mask_row, int64_t L) {
+int64_t present_keys(const uint16_t* const* mask, int64_t rows, int64_t L) {
   const __m512i absent = _mm512_set1_epi16(static_cast<short>(0xff80));  // bf16 -inf
   for (int64_t hi = L; hi > 0; hi -= 32) {
     const int64_t lo = std::max<int64_t>(0, hi - 32);
     const __mmask32 live = static_cast<__mmask32>((hi - lo == 32 ? 0xffffffffull : (1ull << (hi - lo)) - 1));
     __mmask32 present = 0;  // keys lo..hi-1 that some row sees
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512i m = _mm512_maskz_loadu_epi16(live, mask + r * mask_row + lo);
+      const __m512i m = _mm512_maskz_loadu_epi16(live, mask[r] + lo);
       present |= _mm512_mask_cmpneq_epi16_mask(live, m, absent);
     }
     if (present) return lo + 32 - __builtin_clz(present);  // 1 + the highest such key
@@ -208,10 +208,11 @@ int64_t present_keys(const uint16_t* mask, int64_t rows, int64_t mask_row, int64
 }
 
 // One (sequence, kv head): R query rows (fp32, pre-scaled) against L keys whose rows are `sl`
-// elements apart. Rows go RB at a time, so their accumulators stay in registers.
+// elements apart; row r's mask row is mask[r] (mask may be null) and its output out[r]. Rows go RB
+// at a time, so their accumulators stay in registers.
 template <int D, int RB>
 void attend(const float* q, int64_t R, const uint16_t* k, const uint16_t* v, int64_t sl, int64_t L,
-            const uint16_t* mask, int64_t mask_row, float* s, int64_t Lp, uint16_t* out, float* kept) {
+            const uint16_t* const* mask, float* s, int64_t Lp, uint16_t* const* out, float* kept) {
   constexpr int C = D / 16;
   if (R > kTransposeRows) scores_transposed<D>(q, R, k, sl, L, s, Lp);
   else for (int64_t r0 = 0; r0 < R; r0 += RB) {  // scores s[r, l] = q[r] . k[l]
@@ -231,7 +232,7 @@ void attend(const float* q, int64_t R, const uint16_t* k, const uint16_t* v, int
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    softmax_row(s + r * Lp, mask == nullptr ? nullptr : mask + r * mask_row, L, kept);
+    softmax_row(s + r * Lp, mask == nullptr ? nullptr : mask[r], L, kept);
   for (int64_t r0 = 0; r0 < R; r0 += RB) {  // out[r] = sum_l p[r, l] v[l]
     const int64_t nr = std::min<int64_t>(RB, R - r0);
     __m512 acc[RB][C];
@@ -249,91 +250,139 @@ void attend(const float* q, int64_t R, const uint16_t* k, const uint16_t* v, int
     for (int64_t r = 0; r < nr; ++r) {
       float row[D];
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(row + 16 * c, acc[r][c]);
-      for (int d = 0; d < D; ++d) out[(r0 + r) * D + d] = to_bf16(row[d]);
+      for (int d = 0; d < D; ++d) out[r0 + r][d] = to_bf16(row[d]);
     }
   }
 }
 
-// q [B, H, R, D] bf16; k, v [S, H, L, D] bf16 with equal strides and contiguous rows (views of a
-// static cache are fine). Row b reads cache row slots[b] (default b) and its keys
-// 0 .. lengths[b]-1 (default all L). mask: None or additive bf16 [B|1, H|1, R, >= its keys] with
-// contiguous rows.
+// q [B, N, H, D] bf16, any strides but contiguous rows (a view of the fused qkv projection): N
+// tokens of B sequences, H query heads over the cache's KV heads (H = g x KV; query head kvh*g + j
+// reads kv head kvh). k, v [S, KV, L, D] bf16, a layer's static cache, with equal strides and
+// contiguous rows. Sequence b reads cache row slots[b] (default b) and its keys 0 .. lengths[b]-1
+// (default all L). mask: None or additive bf16 [B|1, 1, N, >= its keys] with contiguous rows, one
+// row per token (its g query heads share it). k_new, v_new [B, N, KV, D] (optional, contiguous
+// rows): written first at cache positions positions[b] + t of row slots[b], the tokens valid[b, t]
+// only (default all), so that a token attends to itself. Returns [B, N, H, D].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale,
-                            const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& lengths) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-d [B, H, rows, head_dim]");
+                            const c10::optional<at::Tensor>& slots, const c10::optional<at::Tensor>& lengths,
+                            const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                            const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& valid) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q [B, N, H, D] and k, v [S, KV, L, D] must be 4-d");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
               v.scalar_type() == at::kBFloat16, "bf16 q, k, v only");
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(0), L = k.size(2);
+  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t S = k.size(0), KV = k.size(1), L = k.size(2);
   TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128 only, got ", D);
+  TORCH_CHECK(q.stride(3) == 1, "q rows must be contiguous");
   TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides() && k.stride(3) == 1,
               "k and v must share shape and strides, with contiguous rows");
-  TORCH_CHECK(k.size(1) == H && k.size(3) == D, "k/v heads or head_dim do not match q");
-  std::vector<int64_t> row_slot(B), row_len(B, L);
-  for (int64_t b = 0; b < B; ++b) row_slot[b] = b;
-  if (slots.has_value() && slots->defined()) {
-    const at::Tensor s = slots->to(at::kLong).contiguous();
-    TORCH_CHECK(s.numel() == B, "slots must hold one cache row per batch row");
-    std::copy(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + B, row_slot.begin());
-  }
-  if (lengths.has_value() && lengths->defined()) {
-    const at::Tensor n = lengths->to(at::kLong).contiguous();
-    TORCH_CHECK(n.numel() == B, "lengths must hold one key count per batch row");
-    std::copy(n.data_ptr<int64_t>(), n.data_ptr<int64_t>() + B, row_len.begin());
-  }
+  TORCH_CHECK(k.size(3) == D && KV >= 1 && H % KV == 0, "k/v head_dim must match q's, and q's ", H,
+              " heads must be a multiple of the cache's ", KV, " kv heads");
+  const int64_t g = H / KV;
+  auto long_list = [&](const c10::optional<at::Tensor>& t, const char* what, int64_t fill, bool by_index) {
+    std::vector<int64_t> out(B, fill);
+    if (by_index) for (int64_t b = 0; b < B; ++b) out[b] = b;
+    if (t.has_value() && t->defined()) {
+      const at::Tensor c = t->to(at::kLong).contiguous();
+      TORCH_CHECK(c.numel() == B, what, " must hold one value per sequence");
+      std::copy(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B, out.begin());
+    }
+    return out;
+  };
+  const std::vector<int64_t> row_slot = long_list(slots, "slots", 0, true);
+  const std::vector<int64_t> row_len = long_list(lengths, "lengths", L, false);
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(0 <= row_slot[b] && row_slot[b] < S, "slot ", row_slot[b], " outside the cache's ", S, " rows");
     TORCH_CHECK(1 <= row_len[b] && row_len[b] <= L, "row ", b, " reads ", row_len[b], " keys of ", L);
     longest = std::max(longest, row_len[b]);
   }
-  const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({B, H, R, D}, q.options());
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), sl = k.stride(2);
+  if (k_new.has_value() && k_new->defined()) {  // the new tokens' K/V into the cache
+    TORCH_CHECK(v_new.has_value() && v_new->defined(), "k_new needs v_new");
+    const at::Tensor& kn = *k_new;
+    const at::Tensor& vn = *v_new;
+    TORCH_CHECK(kn.dim() == 4 && kn.sizes() == vn.sizes() && kn.size(0) == B && kn.size(1) == N && kn.size(2) == KV &&
+                kn.size(3) == D && kn.stride(3) == 1 && vn.stride(3) == 1 && kn.scalar_type() == at::kBFloat16 &&
+                vn.scalar_type() == at::kBFloat16, "k_new, v_new must be bf16 [B, N, KV, D] with contiguous rows");
+    const std::vector<int64_t> start = long_list(positions, "positions", 0, false);
+    at::Tensor ok;
+    if (valid.has_value() && valid->defined()) {
+      ok = valid->to(at::kBool).contiguous();
+      TORCH_CHECK(ok.numel() == B * N, "valid must be [B, N]");
+    }
+    auto* kc = reinterpret_cast<uint16_t*>(k.data_ptr<at::BFloat16>());
+    auto* vc = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
+    const auto* kp = reinterpret_cast<const uint16_t*>(kn.data_ptr<at::BFloat16>());
+    const auto* vp = reinterpret_cast<const uint16_t*>(vn.data_ptr<at::BFloat16>());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < N; ++t) {
+        if (ok.defined() && !ok.data_ptr<bool>()[b * N + t]) continue;
+        const int64_t pos = start[b] + t;
+        TORCH_CHECK(0 <= pos && pos < L, "sequence ", b, " writes position ", pos, " outside the cache's ", L);
+        for (int64_t h = 0; h < KV; ++h) {
+          const int64_t at = row_slot[b] * ks0 + h * ks1 + pos * sl;
+          std::memcpy(kc + at, kp + b * kn.stride(0) + t * kn.stride(1) + h * kn.stride(2), D * 2);
+          std::memcpy(vc + at, vp + b * vn.stride(0) + t * vn.stride(1) + h * vn.stride(2), D * 2);
+        }
+      }
+  }
+  at::Tensor out = at::empty({B, N, H, D}, q.options());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const uint16_t* mp = nullptr;
-  int64_t mb = 0, mh = 0, mr = 0;
+  int64_t mb = 0, mr = 0;
   if (mask.has_value() && mask->defined()) {
     const at::Tensor& m = *mask;
-    TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBFloat16 && m.stride(3) == 1 && m.size(2) == R &&
-                m.size(3) >= longest && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == H),
-                "mask must be additive bf16 [B|1, H|1, rows, keys] with contiguous rows");
+    TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBFloat16 && m.stride(3) == 1 && m.size(1) == 1 &&
+                m.size(2) == N && m.size(3) >= longest && (m.size(0) == 1 || m.size(0) == B),
+                "mask must be additive bf16 [B|1, 1, N, keys] with contiguous rows");
     mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::BFloat16>());
     mb = m.size(0) == 1 ? 0 : m.stride(0);
-    mh = m.size(1) == 1 ? 0 : m.stride(1);
     mr = m.stride(2);
   }
   const int64_t Lp = (longest + 15) / 16 * 16;
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), sl = k.stride(2);
-  // Work items are (sequence, head, block of rows): a prefill's row blocks spread over the threads
-  // too, and where the batch has too few (sequence, head) pairs to keep every thread busy (batch 1:
-  // 3 kv heads on 2 threads, one of them idle a third of the time) a tree's rows split in blocks.
-  // A row's result does not depend on the rows beside it, so the split changes no bit.
-  const int64_t threads = at::get_num_threads();
+  // Each (sequence, kv head) attends R = N x g query rows, token-major: row r is token r / g, query
+  // head kvh*g + r % g. Work items are (sequence, kv head, block of rows): a prompt's row blocks
+  // spread over the threads, and where the batch has too few (sequence, kv head) pairs to keep
+  // every thread busy (batch 1: 3 kv heads on 2 threads, one idle a third of the time) a tree's
+  // rows split in blocks. A row's result does not depend on the rows beside it: no bit changes.
+  const int64_t R = N * g, threads = at::get_num_threads();
   int64_t blocks = (R + kRowBlock - 1) / kRowBlock;
-  if (B * H * blocks < kSplitBelow * threads)
-    blocks = std::max(blocks, std::min(R / kSplitRows, (kSplitBelow * threads + B * H - 1) / (B * H)));
+  if (B * KV * blocks < kSplitBelow * threads)
+    blocks = std::max(blocks, std::min(R / kSplitRows, (kSplitBelow * threads + B * KV - 1) / (B * KV)));
   const int64_t block = (R + blocks - 1) / blocks;
   blocks = (R + block - 1) / block;
-  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * KV * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(block * Lp), kept(Lp + 16), qrows(block * D);
+    std::vector<const uint16_t*> mrows(block);
+    std::vector<uint16_t*> orows(block);
     const __m512 scale16 = _mm512_set1_ps(static_cast<float>(scale));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t pair = i / blocks, r0 = i % blocks * block;
-      const int64_t b = pair / H, h = pair % H, off = row_slot[b] * ks0 + h * ks1;
-      const int64_t nr = std::min(block, R - r0), at = (pair * R + r0) * D;
-      // the block's queries in fp32, scaled: the bits of q.float() * scale, without two ATen
-      // ops and their buffers a layer (batch 1, 30 layers: 0.15-0.45 ms less a step)
-      for (int64_t j = 0; j < nr * D; j += 16)
-        _mm512_storeu_ps(qrows.data() + j, _mm512_mul_ps(load_bf16(qp + at + j), scale16));
-      const uint16_t* mrow = mp == nullptr ? nullptr : mp + b * mb + h * mh + r0 * mr;
-      const int64_t keys = mrow == nullptr ? row_len[b] : present_keys(mrow, nr, mr, row_len[b]);
+      const int64_t b = pair / KV, kvh = pair % KV, nr = std::min(block, R - r0);
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t t = (r0 + r) / g, h = kvh * g + (r0 + r) % g;
+        // the queries in fp32, scaled: the bits of q.float() * scale
+        const uint16_t* qrow = qp + b * qs0 + t * qs1 + h * qs2;
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(qrows.data() + r * D + d, _mm512_mul_ps(load_bf16(qrow + d), scale16));
+        mrows[r] = mp == nullptr ? nullptr : mp + b * mb + t * mr;
+        orows[r] = op + ((b * N + t) * H + h) * D;
+      }
+      const uint16_t* const* mask_rows = mp == nullptr ? nullptr : mrows.data();
+      const int64_t keys = mp == nullptr ? row_len[b] : present_keys(mask_rows, nr, row_len[b]);
+      const int64_t off = row_slot[b] * ks0 + kvh * ks1;
       if (D == 64)
-        attend<64, 4>(qrows.data(), nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
+        attend<64, 4>(qrows.data(), nr, kp + off, vp + off, sl, keys, mask_rows, scores.data(), Lp, orows.data(),
+                      kept.data());
       else
-        attend<128, 2>(qrows.data(), nr, kp + off, vp + off, sl, keys, mrow, mr, scores.data(), Lp, op + at, kept.data());
+        attend<128, 2>(qrows.data(), nr, kp + off, vp + off, sl, keys, mask_rows, scores.data(), Lp, orows.data(),
+                       kept.data());
     }
   });
   return out;
@@ -342,8 +391,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY(specdec_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? slots=None, "
-        "Tensor? lengths=None) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? mask, float scale, Tensor? slots=None, "
+        "Tensor? lengths=None, Tensor? k_new=None, Tensor? v_new=None, Tensor? positions=None, "
+        "Tensor? valid=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {

@@ -82,9 +82,23 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
            slots: Tensor | None = None, lengths: Tensor | None = None) -> Tensor:
     """Attention of q [B, H, R, D] over k, v [S, H, L, D] (a layer's static cache): row b reads
     cache row ``slots[b]`` (default b), keys ``0 .. lengths[b]-1`` (default all L), under the
-    additive ``mask`` [B|1, H|1, R, >= lengths]. The same as ``reference`` computes; the caller
-    checked ``takes`` first."""
-    return KERNEL.get()(q, k, v, mask, scale, slots, lengths)
+    additive ``mask`` [B|1, 1, R, >= lengths]. The same as ``reference`` computes; the caller
+    checked ``takes`` first. (Each row is a token of ``attend_tokens`` with one query per kv head.)"""
+    return attend_tokens(q.transpose(1, 2), k, v, mask, scale, slots, lengths).transpose(1, 2)
+
+
+def attend_tokens(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                  slots: Tensor | None = None, lengths: Tensor | None = None, k_new: Tensor | None = None,
+                  v_new: Tensor | None = None, positions: Tensor | None = None,
+                  valid: Tensor | None = None) -> Tensor:
+    """A decoder layer's attention in one call, for q [B, N, H, D] (N tokens, H query heads; a view
+    of the fused qkv projection is fine) over the static cache k, v [S, KV, L, D], query head
+    kvh * g + j reading kv head kvh (g = H / KV). First, if given, the new tokens' k_new, v_new
+    [B, N, KV, D] are written at positions ``positions[b] + t`` of cache row ``slots[b]`` (the
+    tokens ``valid[b, t]`` only); then sequence b attends over keys ``0 .. lengths[b]-1`` under the
+    additive ``mask`` [B|1, 1, N, >= lengths], one row per token. -> [B, N, H, D]. One call instead
+    of the cache writes, the query fold and the output unfold around it (~30 us a layer)."""
+    return KERNEL.get()(q, k, v, mask, scale, slots, lengths, k_new, v_new, positions, valid)
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,

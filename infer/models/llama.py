@@ -215,10 +215,10 @@ class LeanCausalLM:
                 # Additive once per forward: SDPA would turn a bool mask into this in every layer
                 # (~9% of a 13-node verification's attention at a 673-token context).
                 additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-                additive = additive.repeat(1, 1, layer.group, 1)                     # [B, 1, g*N, L]
                 if attention_cpu.takes(x.dtype, x.device, layer.head_dim):
                     masks[key] = additive  # one kernel call a layer, each row reading its own keys
                 else:
+                    additive = additive.repeat(1, 1, layer.group, 1)                 # [B, 1, g*N, L]
                     masks[key] = [additive if g.rows is None else additive[g.rows, :, :, :g.length]
                                   for g in access.read_groups()]
             x, mlp_out = self._layer(i, layer, x, h, cos, sin, access, masks[key])
@@ -248,6 +248,10 @@ class LeanCausalLM:
             if layer.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = glue_cpu.rotate(q, cos, sin), glue_cpu.rotate(k, cos, sin)
+        if isinstance(masks, Tensor):  # the CPU kernel (forward chose it): cache write + attention, one call
+            out = attention_cpu.attend_tokens(q, access.cache.k[i], access.cache.v[i], masks, layer.scaling,
+                                              access.slots, access.ends, k, v, access.base_lens, access.valid)
+            return self._after_attention(layer, x, out.view(bsz, n, -1))
         access.write(i, k, v)
         # GQA by folding each kv head's query group into the query axis: head h = kv*g + j reads
         # kv head h // g (HF's repeat_kv), so [B, h, N, hd] -> [B, kv, g*N, hd]. Same maths as
@@ -259,12 +263,14 @@ class LeanCausalLM:
                                                  enable_gqa=layer.group > 1)
         else:
             q = q.transpose(1, 2).reshape(bsz, layer.n_kv, layer.group * n, layer.head_dim)
-            if isinstance(masks, Tensor):  # the CPU decode kernel (forward chose it)
-                out = attention_cpu.attend(q, access.cache.k[i], access.cache.v[i], masks, layer.scaling,
-                                           access.slots, access.ends)
-            else:
-                out = self._grouped_attention(i, layer, q, access, masks)
+            out = self._grouped_attention(i, layer, q, access, masks)
         out = out.view(bsz, layer.n_heads, n, layer.head_dim).transpose(1, 2).reshape(bsz, n, -1)
+        return self._after_attention(layer, x, out)
+
+    @staticmethod
+    def _after_attention(layer: _Layer, x: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+        """The rest of a layer after attention's output out [B, N, heads x head_dim]: (x after
+        attention, the MLP's output, not yet added to x)."""
         x, h = layer.ln2.add(x, layer.o(out))
         gate_up = layer.gate_up(h)
         if layer.fused_silu:

@@ -115,6 +115,42 @@ def test_rows_split_over_the_threads_keep_their_bits(rows):
 
 
 @needs_kernel
+def test_attend_tokens_writes_the_new_keys_then_reads_them_like_the_folded_layout():
+    """The decoder's one call a layer: the valid new tokens' K/V land at their positions in their
+    cache rows (nothing else moves), then query head h of each token reads kv head h // g (GQA), with
+    the bits of the folded layout (a kv head's g x N query rows; the mask repeated per group)."""
+    gen = torch.Generator().manual_seed(5)
+    B, N, KV, g, D, S, L = 2, 4, 2, 3, 64, 3, 40
+    q = torch.randn(B, N, KV * g, D, generator=gen).bfloat16()
+    k_new, v_new = (torch.randn(B, N, KV, D, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(S, KV, L, D, generator=gen).bfloat16() for _ in range(2))
+    slots, base = torch.tensor([2, 0]), torch.tensor([10, 20])
+    valid = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    ends = base + valid.sum(1)
+    cols = torch.arange(int(ends.max()))
+    t = torch.arange(N)
+    see = (cols < base[:, None, None] + t[None, :, None])  # the prefix and the chain up to each token
+    see &= torch.rand(B, N, len(cols), generator=gen) > 0.2  # a tree hides some
+    see |= cols == base[:, None, None] + t[None, :, None]   # ... never the token itself
+    mask = torch.zeros(B, 1, N, len(cols)).masked_fill_(~see[:, None], float("-inf")).bfloat16()
+    want_k, want_v = k.clone(), v.clone()
+    for b in range(B):
+        for i in range(N):
+            if valid[b, i]:
+                want_k[slots[b], :, base[b] + i] = k_new[b, i]
+                want_v[slots[b], :, base[b] + i] = v_new[b, i]
+    out = attention_cpu.attend_tokens(q, k, v, mask, 0.125, slots, ends, k_new, v_new, base, valid)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    folded = attention_cpu.attend(q.transpose(1, 2).reshape(B, KV, g * N, D), k, v, mask.repeat(1, 1, g, 1),
+                                  0.125, slots, ends)
+    want = folded.reshape(B, KV * g, N, D).transpose(1, 2)
+    assert torch.equal(out[valid], want[valid])
+    truth = attention_cpu.reference(q.transpose(1, 2), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                    mask, 0.125, slots, ends).transpose(1, 2)
+    torch.testing.assert_close(out[valid].float(), truth[valid].float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
 def test_defaults_read_every_row_in_order_and_a_strided_view():
     """No slots/lengths: row b is cache row b with all its keys; a view of a longer cache (rows
     strided by max_len) reads only the viewed keys; a mask broadcast over batch and heads works."""
@@ -185,11 +221,11 @@ def test_lean_verification_with_the_kernel_is_as_close_to_fp32_as_sdpa(tmp_path,
     exact = verify_ragged(load_target(str(folder), dtype="float32"))
     bf16 = load_target(str(folder), dtype="bfloat16")
     calls = []
-    real = attention_cpu.attend
-    monkeypatch.setattr(attention_cpu, "attend", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = attention_cpu.attend_tokens
+    monkeypatch.setattr(attention_cpu, "attend_tokens", lambda *a: calls.append(a[0].shape) or real(*a))
     with_kernel = verify_ragged(bf16)
-    # the prefills (g=2 x 60, 5, 33 tokens), plain rows (2 x 1 token) and the trees (2 x 13)
-    assert {s[2] for s in calls} == {120, 10, 66, 2, 26}
+    # the prefills (60, 5, 33 tokens), plain rows (1 token) and the trees (13), 4 query heads each
+    assert {tuple(s[1:3]) for s in calls} == {(60, 4), (5, 4), (33, 4), (1, 4), (13, 4)}
     monkeypatch.setattr(attention_cpu, "takes", lambda *a: False)
     with_sdpa = verify_ragged(bf16)
     for want, kern, sdpa in zip(exact, with_kernel, with_sdpa):
