@@ -106,8 +106,8 @@ class DecodeLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.native is not None and x.dtype == torch.bfloat16:
-            op, packed, bias = self.native
-            return _on_rows(op, x, packed, bias, self.weight.shape[0])
+            op, packed, bias = self.native  # takes x [..., in] as it is (~2 us a call less)
+            return op(x, packed, bias, self.weight.shape[0])
         if self.packed is not None and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # one row (a batch-1 decode step): PyTorch's bf16 GEMV measured ~13% faster a step than

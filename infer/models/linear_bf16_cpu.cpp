@@ -1,4 +1,4 @@
-// y = x @ w.T + bias for bf16 x [M, K] on CPUs that compute bf16 natively (AVX512-BF16).
+// y = x @ w.T + bias for bf16 x [..., K] (M rows) on CPUs that compute bf16 natively (AVX512-BF16).
 //
 // oneDNN's prepacked bf16 linear costs ~18 us a call before any arithmetic, 120 calls in a
 // SmolLM2 decode step, and read the weights at 15-30 GB/s there. This kernel reads each weight
@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -68,13 +69,14 @@ void tile_of(int rows, const uint32_t* x, int64_t KP, const uint16_t* w, const f
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t N) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
-              "linear_bf16: x must be bfloat16 [M, K], got ", x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kBFloat16,
+              "linear_bf16: x must be bfloat16 [..., K], got ", x_in.scalar_type(), " ", x_in.sizes());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 2 &&
                   packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               "linear_bf16: packed must be contiguous bfloat16 [groups, K/2, 64, 2], got ", packed.sizes());
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), KP = packed.size(1);
+  // x [..., K] as M rows: the leading axes stay in the output, no reshape around the call
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, groups = packed.size(0), KP = packed.size(1);
   TORCH_CHECK(K == 2 * KP, "linear_bf16: x has ", K, " columns, the packed weight ", 2 * KP);
   TORCH_CHECK(N > (groups - 1) * kGroup && N <= groups * kGroup, "linear_bf16: ", N,
               " outputs do not fit the packed weight's ", groups, " groups of ", kGroup);
@@ -84,7 +86,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::o
                 "linear_bf16: bias must be contiguous float32 [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
     bp = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());  // pairs of bf16
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());

@@ -215,9 +215,11 @@ def test_decode_linear_sends_prefill_sized_calls_to_the_kernel_too():
     calls = []
     lin.native = (lambda *a: calls.append(a[0].shape) or op(*a), packed, bias)
     small, big = torch.randn(2, 3, 40, generator=g).bfloat16(), torch.randn(600, 40, generator=g).bfloat16()
-    assert lin(small).shape == (2, 3, 16) and calls == [(6, 40)]
+    out = lin(small)  # leading axes go to the kernel as they are, with the rows' own bits
+    assert out.shape == (2, 3, 16) and calls == [(2, 3, 40)]
+    assert torch.equal(out, lin(small.reshape(6, 40)).reshape(2, 3, 16))
     whole = lin(big)
-    assert calls[1] == (600, 40)
+    assert calls[2] == (600, 40)
     assert torch.equal(whole[:7], lin(big[:7])) and torch.equal(whole[599:], lin(big[599:]))
     assert DecodeLinear(torch.randn(16, 41).bfloat16()).native is None  # an odd width has no pairs
 
