@@ -3,7 +3,8 @@
 Plain eager PyTorch with no HF wrapper on the hot path: q/k/v and gate/up weights are
 concatenated once (one matmul each), attention is one SDPA call over the static cache with a
 boolean tree mask (GQA by folding query groups, no K/V repeat), and the cache is written in
-place (``StepAccess``). Every
+place (``StepAccess``); in bf16 on an AVX-512 CPU one C++ kernel call a layer does both
+(``attention_cpu.attend_tokens``). Every
 detail that differs inside the family is read from the HF modules themselves, so this file
 computes exactly what HF computes:
 
