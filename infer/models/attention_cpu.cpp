@@ -298,6 +298,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(1 <= row_len[b] && row_len[b] <= L, "row ", b, " reads ", row_len[b], " keys of ", L);
     longest = std::max(longest, row_len[b]);
   }
+  const uint16_t* mp = nullptr;
+  int64_t mb = 0, mr = 0;
+  if (mask.has_value() && mask->defined()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBFloat16 && m.stride(3) == 1 && m.size(1) == 1 &&
+                m.size(2) == N && m.size(3) >= longest && (m.size(0) == 1 || m.size(0) == B),
+                "mask must be additive bf16 [B|1, 1, N, keys] with contiguous rows");
+    mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::BFloat16>());
+    mb = m.size(0) == 1 ? 0 : m.stride(0);
+    mr = m.stride(2);
+  }
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), sl = k.stride(2);
   if (k_new.has_value() && k_new->defined()) {  // the new tokens' K/V into the cache
     TORCH_CHECK(v_new.has_value() && v_new->defined(), "k_new needs v_new");
@@ -316,11 +327,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     auto* vc = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
     const auto* kp = reinterpret_cast<const uint16_t*>(kn.data_ptr<at::BFloat16>());
     const auto* vp = reinterpret_cast<const uint16_t*>(vn.data_ptr<at::BFloat16>());
+    const bool* keep = ok.defined() ? ok.data_ptr<bool>() : nullptr;
+    for (int64_t b = 0; b < B; ++b)  // every check before the first write: a bad call changes nothing
+      for (int64_t t = 0; t < N; ++t)
+        TORCH_CHECK((keep && !keep[b * N + t]) || (0 <= start[b] + t && start[b] + t < L), "sequence ", b,
+                    " writes position ", start[b] + t, " outside the cache's ", L);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < N; ++t) {
-        if (ok.defined() && !ok.data_ptr<bool>()[b * N + t]) continue;
+        if (keep && !keep[b * N + t]) continue;
         const int64_t pos = start[b] + t;
-        TORCH_CHECK(0 <= pos && pos < L, "sequence ", b, " writes position ", pos, " outside the cache's ", L);
         for (int64_t h = 0; h < KV; ++h) {
           const int64_t at = row_slot[b] * ks0 + h * ks1 + pos * sl;
           std::memcpy(kc + at, kp + b * kn.stride(0) + t * kn.stride(1) + h * kn.stride(2), D * 2);
@@ -334,17 +349,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  const uint16_t* mp = nullptr;
-  int64_t mb = 0, mr = 0;
-  if (mask.has_value() && mask->defined()) {
-    const at::Tensor& m = *mask;
-    TORCH_CHECK(m.dim() == 4 && m.scalar_type() == at::kBFloat16 && m.stride(3) == 1 && m.size(1) == 1 &&
-                m.size(2) == N && m.size(3) >= longest && (m.size(0) == 1 || m.size(0) == B),
-                "mask must be additive bf16 [B|1, 1, N, keys] with contiguous rows");
-    mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::BFloat16>());
-    mb = m.size(0) == 1 ? 0 : m.stride(0);
-    mr = m.stride(2);
-  }
   const int64_t Lp = (longest + 15) / 16 * 16;
   // Each (sequence, kv head) attends R = N x g query rows, token-major: row r is token r / g, query
   // head kvh*g + r % g. Work items are (sequence, kv head, block of rows): a prompt's row blocks

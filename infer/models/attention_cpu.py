@@ -19,7 +19,9 @@ Since session 49 a batch too small to keep both threads busy splits its rows bet
 1: 3 kv heads on 2 threads), and the softmax compresses its kept weights in a register (Zen 4
 microcodes the memory form of ``vcompressps``): batch 1, 400 keys, 30 layer calls, 4-node tree
 1.81 -> 1.24 ms, 13 nodes 4.64 -> 3.09; a prompt's row blocks spread over the threads too (a
-2,000-token prefill 2.83 -> 2.25 s). Neither changes a bit.
+2,000-token prefill 2.83 -> 2.25 s). The decoder calls it once a layer (``attend_tokens``): the
+kernel writes the new tokens' K/V, reads q from the qkv projection and converts it itself, and
+takes one mask row per token. None of this changes a bit.
 
 ``attend`` also reads each sequence's own keys in place in the static cache (its slot, its
 length), so a batch of uneven contexts neither pads to the longest nor gathers copies (batch 16
@@ -97,7 +99,7 @@ def attend_tokens(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: f
     [B, N, KV, D] are written at positions ``positions[b] + t`` of cache row ``slots[b]`` (the
     tokens ``valid[b, t]`` only); then sequence b attends over keys ``0 .. lengths[b]-1`` under the
     additive ``mask`` [B|1, 1, N, >= lengths], one row per token. -> [B, N, H, D]. One call instead
-    of the cache writes, the query fold and the output unfold around it (~30 us a layer)."""
+    of the cache writes, the query fold and the output unfold around it (~30 us a layer, profiled)."""
     return KERNEL.get()(q, k, v, mask, scale, slots, lengths, k_new, v_new, positions, valid)
 
 

@@ -180,6 +180,12 @@ def test_bad_inputs_name_the_problem():
         attention_cpu.attend(q, k, k, None, 0.1, None, torch.tensor([11]))
     with pytest.raises(RuntimeError, match="mask"):
         attention_cpu.attend(q, k, k, torch.zeros(1, 1, 3, 4).bfloat16(), 0.1)
+    # a write past the cache's end is refused before anything is written
+    v, before = k.clone(), k.clone()
+    new = torch.randn(1, 2, 3, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="writes position 10 outside the cache's 10"):
+        attention_cpu.attend_tokens(q[:, :2], k, v, None, 0.1, None, None, new, new, torch.tensor([9]))
+    assert torch.equal(k, before) and torch.equal(v, before)
 
 
 def test_takes_bf16_decode_steps_on_cpu_with_its_head_dims():
