@@ -23,7 +23,7 @@ microcodes the memory form of ``vcompressps``): batch 1, 400 keys, 30 layer call
 kernel writes the new tokens' K/V, reads q from the qkv projection and converts it itself, and
 takes one mask row per token. None of this changes a bit.
 
-``attend`` also reads each sequence's own keys in place in the static cache (its slot, its
+The kernel also reads each sequence's own keys in place in the static cache (its slot, its
 length), so a batch of uneven contexts neither pads to the longest nor gathers copies (batch 16
 of Spec-Bench contexts: a decode step 36.0 ms with SDPA, 31.2 with the kernel over the padded
 batch, 26.3 reading each row's own keys). The lean decoder calls it where ``takes`` says: bf16

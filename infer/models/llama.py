@@ -161,9 +161,9 @@ class LeanCausalLM:
         if self.device.type == "cpu" and dtype == torch.bfloat16:
             attention_cpu.kernel()  # compile (once per machine) while loading, not in the first step
         self.num_layers = len(self.layers)
-        # Where the CPU kernel serves prefill it reads an additive mask of [group x tokens, keys]
-        # (a whole 8k-token prompt: 400 MB for SmolLM2), so the runner prefills at most this many
-        # tokens a forward. The kernel gives the same bits in pieces, and as fast: SmolLM2, bf16,
+        # Where the CPU kernel serves prefill it reads an additive mask of [tokens, keys] (a whole
+        # 8k-token prompt: 134 MB; 400 MB before session 49 gave it one row per token rather than per
+        # query head), so the runner prefills at most this many tokens a forward. The kernel gives the same bits in pieces, and as fast: SmolLM2, bf16,
         # 2,000 / 4,000 tokens whole 3.02 / 9.27 s, in pieces of 1,024 2.89 / 9.09 s.
         self.prefill_piece = 1024 if attention_cpu.takes(dtype, self.device, self.layers[0].head_dim) else None
 
