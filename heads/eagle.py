@@ -23,7 +23,7 @@ from .base import (DraftHead, FeatureSpec, acceptance_stats, chunked_logit_loss,
                    depth_valid_mask, frozen_embedding, frozen_linear, init_linear_, llama_dims,
                    masked_mean, shift_left, target_argmax)
 from .common import DRAFT_VOCAB, DraftLogits, mean_loss
-from .layers import DecoderLayer, Rotary, SlotKVCache
+from .layers import CacheAppend, DecoderLayer, Rotary, SlotKVCache, additive_mask, appends_to_cache
 from .tree import DraftTree, Frontier, TreeBudget, expand_dynamic_tree, num_dynamic_candidates
 
 
@@ -284,6 +284,10 @@ MIN_CATCHUP_WINDOW = 16
 # cut to its last 64 pairs drafted at tau 1.507 against 1.519 whole (24 Spec-Bench first turns,
 # session 37). Whole, EAGLE-3's features were 13% of an entry's bytes (docs/BENCHMARKS.md, session 38).
 CACHED_FEATURE_PAIRS = 64
+# Where the head writes its K/V through the CPU attention kernel (``CacheAppend``), a draft tree's
+# nodes go in its cache right after the root, level by level: room for this many past max_len (a
+# CPU tree needs depth x top-k = 12; a bigger tree, or a slot too close to the end, drafts as on a GPU).
+TREE_SCRATCH = 32
 
 
 class EagleDrafter:
@@ -330,8 +334,9 @@ class EagleDrafter:
 
     def reset(self, max_batch: int, max_len: int) -> None:
         attn = self.head.layers[0].self_attn
-        self.cache = SlotKVCache(max_batch, attn.num_kv_heads, max_len, attn.head_dim,
-                                 self.dtype, self.device)
+        self.in_cache = appends_to_cache(self.head)  # K/V written and read in place by the CPU kernel
+        self.cache = SlotKVCache(max_batch, attn.num_kv_heads, max_len + (TREE_SCRATCH if self.in_cache else 0),
+                                 attn.head_dim, self.dtype, self.device)
         self.last: list[Tensor | None] = [None] * max_batch          # [D] raw feature awaiting a token
         # chunks ([m, D] raw, [m]) of committed pairs not yet run; appended, joined when run
         self.pending: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(max_batch)]
@@ -412,25 +417,38 @@ class EagleDrafter:
         flat = [chunk for chunks in rows for chunk in chunks]
         fused = self.head.fuse_feature(torch.cat([f for f, _ in flat]))  # [sum m, H]: one fc call
         flat_tokens = torch.cat([t for _, t in flat])
-        feats = torch.zeros(B, Q, fused.shape[-1], device=self.device, dtype=fused.dtype)
-        toks = torch.zeros(B, Q, dtype=torch.long, device=self.device)
-        start = 0
-        for i, n in enumerate(sizes):
-            feats[i, :n], toks[i, :n] = fused[start:start + n], flat_tokens[start:start + n]
-            start += n
+        if B == 1:  # nothing to pad
+            feats, toks = fused[None], flat_tokens[None]
+        else:
+            feats = torch.zeros(B, Q, fused.shape[-1], device=self.device, dtype=fused.dtype)
+            toks = torch.zeros(B, Q, dtype=torch.long, device=self.device)
+            start = 0
+            for i, n in enumerate(sizes):
+                feats[i, :n], toks[i, :n] = fused[start:start + n], flat_tokens[start:start + n]
+                start += n
         counts = torch.tensor(sizes, device=self.device)
         slot_t = torch.tensor(slots, device=self.device)
         lens = self.cache.lens[slot_t]                                   # [B]
-        P = int(lens.max())
-        ar = torch.arange(max(P, Q), device=self.device)
         start = self.start[slot_t]
-        past_ok = (ar[None, None, :P] < lens[:, None, None]) & (ar[None, None, :P] >= start[:, None, None])
-        cur_ok = (ar[None, :Q, None] >= ar[None, None, :Q]) & (ar[None, None, :Q] < counts[:, None, None])
-        mask = torch.cat([past_ok.expand(B, Q, P), cur_ok | torch.eye(Q, dtype=torch.bool,
-                                                                      device=self.device)], -1)
-        cos, sin = self.head.rotary(lens[:, None] + ar[None, :Q], self.dtype)
-        out, (k, v) = self.head.layer_step(feats, toks, cos, sin, mask, self.cache.read(slot_t, P))
-        self.cache.write(slot_t, lens, k, v, counts)
+        if self.in_cache:  # token t of row b sits at lens + t and reads start .. itself
+            ends = lens + counts                                         # [B] keys read
+            ar = torch.arange(int(ends.max()), device=self.device)
+            last = torch.minimum(lens[:, None] + ar[None, :Q], ends[:, None] - 1)      # [B, Q]
+            ok = (ar[None, None] >= start[:, None, None]) & (ar[None, None] <= last[..., None])
+            cos, sin = self.head.rotary(lens[:, None] + ar[None, :Q], self.dtype)
+            append = CacheAppend(self.cache, slot_t, lens, ends, additive_mask(ok[:, None], self.dtype),
+                                 ar[None, :Q] < counts[:, None])
+            out, _ = self.head.layer_step(feats, toks, cos, sin, None, append)
+        else:
+            P = int(lens.max())
+            ar = torch.arange(max(P, Q), device=self.device)
+            past_ok = (ar[None, None, :P] < lens[:, None, None]) & (ar[None, None, :P] >= start[:, None, None])
+            cur_ok = (ar[None, :Q, None] >= ar[None, None, :Q]) & (ar[None, None, :Q] < counts[:, None, None])
+            mask = torch.cat([past_ok.expand(B, Q, P), cur_ok | torch.eye(Q, dtype=torch.bool,
+                                                                          device=self.device)], -1)
+            cos, sin = self.head.rotary(lens[:, None] + ar[None, :Q], self.dtype)
+            out, (k, v) = self.head.layer_step(feats, toks, cos, sin, mask, self.cache.read(slot_t, P))
+            self.cache.write(slot_t, lens, k, v, counts)
         n_pending = counts - (1 if roots is not None else 0)
         self.cache.lens[slot_t] += n_pending
         for s in slots:
@@ -454,13 +472,6 @@ class EagleDrafter:
         slot_t = torch.tensor(slot_list, device=self.device)
         root_pos = self.cache.lens[slot_t]                                # root pair's position
         S = int(root_pos.max()) + 1
-        past_k, past_v = self.cache.read(slot_t, S)
-        ar = torch.arange(S, device=self.device)[None]
-        prefix_ok = (ar <= root_pos[:, None]) & (ar >= self.start[slot_t][:, None])  # [B, S]
-        C = num_dynamic_candidates(budget)
-        attn = self.head.layers[0].self_attn
-        tree_k = torch.zeros(B, attn.num_kv_heads, C, attn.head_dim, device=self.device, dtype=self.dtype)
-        tree_v = torch.zeros_like(tree_k)
         state = {"out": root_out[:, None]}                                # outputs of the last frontier
         head, draft_logits = self.head, self._draft_logits
 
@@ -470,24 +481,72 @@ class EagleDrafter:
         def step(fr: Frontier) -> Tensor:
             if fr.depth == 0:
                 return logprobs(state["out"])
-            F_ = fr.tokens.shape[1]
             parent_out = state["out"].gather(1, fr.parent_slot[..., None].expand(-1, -1, root_out.shape[-1]))
+            cos, sin = head.rotary((root_pos[:, None] + fr.depth).expand_as(fr.tokens), self.dtype)
+            mask, past, keep = attend(fr)
+            state["out"], kv = head.layer_step(parent_out, fr.tokens, cos, sin, mask, past)
+            if keep is not None:
+                keep(fr, kv)
+            return logprobs(state["out"])
+
+        scratch = budget.max_depth * budget.topk
+        in_cache = self.in_cache and S + scratch <= self.cache.max_len
+        attend = (self._in_cache_tree(slot_t, root_pos, S + scratch) if in_cache
+                  else self._copied_tree(slot_t, root_pos, budget))
+        return expand_dynamic_tree(step, roots, budget, token_map=head.token_map,
+                                   min_frontier_mass=self.min_frontier_mass, ancestors=not in_cache)
+
+    def _copied_tree(self, slot_t: Tensor, root_pos: Tensor, budget: TreeBudget):
+        """fr -> (mask, past_kv, keep) of a tree level whose nodes' K/V go to a tree buffer (by
+        candidate index; ``keep(fr, kv)`` stores them) read beside a copy of the slots' cache:
+        any device, any dtype."""
+        B, S = slot_t.numel(), int(root_pos.max()) + 1
+        past_k, past_v = self.cache.read(slot_t, S)
+        ar = torch.arange(S, device=self.device)[None]
+        prefix_ok = (ar <= root_pos[:, None]) & (ar >= self.start[slot_t][:, None])  # [B, S]
+        attn = self.head.layers[0].self_attn
+        C = num_dynamic_candidates(budget)
+        tree_k = torch.zeros(B, attn.num_kv_heads, C, attn.head_dim, device=self.device, dtype=self.dtype)
+        tree_v = torch.zeros_like(tree_k)
+
+        def attend(fr: Frontier):
+            F_ = fr.tokens.shape[1]
             in_tree = fr.ancestors.clone()
             in_tree[:, :, 0] = False                                      # the root lives in the cache
             in_tree.scatter_(2, fr.node_index[..., None], False)          # self comes as "current"
             mask = torch.cat([prefix_ok[:, None].expand(B, F_, S), in_tree,
                               torch.eye(F_, dtype=torch.bool, device=self.device).expand(B, F_, F_)], -1)
-            cos, sin = head.rotary((root_pos[:, None] + fr.depth).expand(B, F_), self.dtype)
-            past = (torch.cat([past_k, tree_k], 2), torch.cat([past_v, tree_v], 2))
-            out, (k, v) = head.layer_step(parent_out, fr.tokens, cos, sin, mask, past)
-            idx = fr.node_index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            tree_k.scatter_(2, idx, k)
-            tree_v.scatter_(2, idx, v)
-            state["out"] = out
-            return logprobs(out)
+            return mask, (torch.cat([past_k, tree_k], 2), torch.cat([past_v, tree_v], 2)), keep
 
-        return expand_dynamic_tree(step, roots, budget, token_map=head.token_map,
-                                   min_frontier_mass=self.min_frontier_mass)
+        def keep(fr: Frontier, kv: tuple[Tensor, Tensor]) -> None:
+            idx = fr.node_index[:, None, :, None].expand(-1, kv[0].shape[1], -1, kv[0].shape[-1])
+            tree_k.scatter_(2, idx, kv[0])
+            tree_v.scatter_(2, idx, kv[1])
+
+        return attend
+
+    def _in_cache_tree(self, slot_t: Tensor, root_pos: Tensor, width: int):
+        """fr -> (None, CacheAppend, None) of a tree level written into the slots' own cache: level d's
+        frontier node j at root_pos + 1 + (d - 1) * k + j, read there by the CPU kernel. A node's
+        ancestors among those positions are its parent's, plus itself."""
+        B = slot_t.numel()
+        ar = torch.arange(width, device=self.device)
+        prefix_ok = (ar[None] <= root_pos[:, None]) & (ar[None] >= self.start[slot_t][:, None])  # [B, width]
+        levels = {"anc": None, "written": 0}        # the frontier's ancestors over the written nodes
+
+        def attend(fr: Frontier):
+            F_, n = fr.tokens.shape[1], levels["written"]
+            own = torch.eye(F_, dtype=torch.bool, device=self.device).expand(B, F_, F_)
+            anc = own if n == 0 else torch.cat(
+                [levels["anc"].gather(1, fr.parent_slot[..., None].expand(-1, -1, n)), own], -1)
+            levels["anc"], levels["written"] = anc, n + F_
+            keys = int(root_pos.max()) + 1 + n + F_
+            ok = prefix_ok[:, None, :keys].expand(B, F_, keys).clone()
+            ok.scatter_(2, (root_pos[:, None, None] + 1 + ar[:n + F_]).expand(B, F_, n + F_), anc)
+            return None, CacheAppend(self.cache, slot_t, root_pos + 1 + n, root_pos + 1 + n + F_,
+                                     additive_mask(ok[:, None], self.dtype)), None
+
+        return attend
 
 
 HEAD = EagleHead

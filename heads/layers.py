@@ -8,6 +8,7 @@ them: a head built from these blocks exports without renames.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -229,3 +230,32 @@ class SlotKVCache:
             end = first + slots.numel()
             return self.k[first:end, :, :length], self.v[first:end, :, :length]
         return self.k[slots, :, :length], self.v[slots, :, :length]
+
+
+@dataclass
+class CacheAppend:
+    """An attention call that writes its tokens' K/V into a SlotKVCache and reads them back there,
+    passed as ``past_kv``. Only a head fused for decoding on a CPU takes it
+    (``infer/models/head_fusion.py``: one kernel call does both); see ``appends_to_cache``.
+    Token t of row b goes to position ``positions[b] + t`` of slot ``slots[b]`` (where ``valid[b, t]``,
+    default all), then reads keys ``0 .. lengths[b] - 1`` under ``mask`` [B, 1, T, >= lengths]
+    (additive, the cache's dtype)."""
+
+    cache: SlotKVCache
+    slots: Tensor
+    positions: Tensor
+    lengths: Tensor
+    mask: Tensor
+    valid: Tensor | None = None
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """bool ``allowed`` -> 0 where True, -inf where False, in ``dtype``."""
+    return torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device).masked_fill_(allowed, 0)
+
+
+def appends_to_cache(head: nn.Module) -> bool:
+    """Whether every attention block of ``head`` takes a ``CacheAppend`` (fused for decoding, where
+    the CPU attention kernel serves it)."""
+    blocks = [m for m in head.modules() if isinstance(m, Attention)]
+    return bool(blocks) and all(getattr(m.forward, "appends_to_cache", False) for m in blocks)

@@ -246,7 +246,8 @@ class Frontier:
     tokens: Tensor        # [B, F] long, target-vocab tokens of the frontier nodes
     node_index: Tensor    # [B, F] long, candidate index of each frontier node
     parent_slot: Tensor   # [B, F] long, position of the parent in the previous frontier (-1 at depth 0)
-    ancestors: Tensor     # [B, F, C] bool, ancestor-or-self over all C candidate slots
+    ancestors: Tensor | None  # [B, F, C] bool, ancestor-or-self over all C candidate slots (None
+                              # where the caller of expand_dynamic_tree said it keeps its own)
     num_candidates: int   # C
 
 
@@ -261,7 +262,8 @@ StepFn = Callable[[Frontier], Tensor]  # frontier -> log_probs [B, F, V]
 
 @torch.no_grad()
 def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
-                        token_map: Tensor | None = None, min_frontier_mass: float = 0.0) -> DraftTree:
+                        token_map: Tensor | None = None, min_frontier_mass: float = 0.0,
+                        ancestors: bool = True) -> DraftTree:
     """EAGLE-2: grow by cumulative draft probability, then keep the best `max_nodes` nodes.
 
     step(frontier) -> log_probs [B, F, V]: the drafter's distribution of the next token after
@@ -275,14 +277,18 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
     accepted tokens (drafts are calibrated; the real gain is smaller), while the level costs a
     full draft pass: on a CPU ~3 ms of a ~40 ms step (EagleDrafter's CPU default: 0.25). The
     level runs for the whole batch, so it stops only when no row wants it.
+    ancestors=False: the frontiers carry no ancestor masks (a step that tracks its own saves their
+    upkeep, a few ops a level).
     """
     B, dev = roots.shape[0], roots.device
     k, C = budget.topk, num_dynamic_candidates(budget)
     tokens = torch.zeros(B, C, dtype=torch.long, device=dev)
     parents = torch.full((B, C), -1, dtype=torch.long, device=dev)
     cum = torch.zeros(B, C, device=dev)                      # cumulative log-prob; root 0
-    anc = torch.zeros(B, C, C, dtype=torch.bool, device=dev)  # ancestor-or-self
-    tokens[:, 0], anc[:, 0, 0] = roots, True
+    anc = torch.zeros(B, C, C, dtype=torch.bool, device=dev) if ancestors else None  # ancestor-or-self
+    tokens[:, 0] = roots
+    if anc is not None:
+        anc[:, 0, 0] = True
     rows = torch.arange(B, device=dev)[:, None]
 
     front_idx = torch.zeros(B, 1, dtype=torch.long, device=dev)  # [B, F] candidate indices
@@ -290,7 +296,7 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
     n = 1  # candidates created so far
     for depth in range(budget.max_depth):
         frontier = Frontier(depth=depth, tokens=tokens.gather(1, front_idx), node_index=front_idx,
-                            parent_slot=parent_slot, ancestors=anc[rows, front_idx],
+                            parent_slot=parent_slot, ancestors=None if anc is None else anc[rows, front_idx],
                             num_candidates=C)
         logp = step(frontier).float()                        # [B, F, V]
         F, V = logp.shape[1], logp.shape[2]
@@ -304,14 +310,15 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
         new = torch.arange(n, n + F * k, device=dev).expand(B, -1)   # [B, F*k]
         par = front_idx.repeat_interleave(k, dim=1)                  # [B, F*k]
         tokens[:, n:n + F * k], parents[:, n:n + F * k], cum[:, n:n + F * k] = child_tok, par, child_cum
-        anc[rows, new] = anc[rows, par]
-        anc[rows, new, new] = True
+        if anc is not None:
+            anc[rows, new] = anc[rows, par]
+            anc[rows, new, new] = True
         n += F * k
         # Next frontier: the k best new children (stable sort: equal scores keep creation order).
-        order = child_cum.sort(dim=1, descending=True, stable=True).indices[:, :k]  # [B, k]
+        best = child_cum.sort(dim=1, descending=True, stable=True)
+        order = best.indices[:, :k]                                  # [B, k]
         front_idx, parent_slot = new.gather(1, order), order // k
-        if min_frontier_mass > 0 and bool(
-                (child_cum.gather(1, order).exp().sum(1) < min_frontier_mass).all()):
+        if min_frontier_mass > 0 and bool((best.values[:, :k].exp().sum(1) < min_frontier_mass).all()):
             break
 
     # Rerank every candidate and keep the best max_nodes; sorting the kept indices restores a
