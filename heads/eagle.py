@@ -430,12 +430,12 @@ class EagleDrafter:
         slot_t = torch.tensor(slots, device=self.device)
         lens = self.cache.lens[slot_t]                                   # [B]
         start = self.start[slot_t]
+        cos, sin = self.head.rotary(lens[:, None] + torch.arange(Q, device=self.device)[None], self.dtype)
         if self.in_cache:  # token t of row b sits at lens + t and reads start .. itself
             ends = lens + counts                                         # [B] keys read
             ar = torch.arange(int(ends.max()), device=self.device)
             last = torch.minimum(lens[:, None] + ar[None, :Q], ends[:, None] - 1)      # [B, Q]
             ok = (ar[None, None] >= start[:, None, None]) & (ar[None, None] <= last[..., None])
-            cos, sin = self.head.rotary(lens[:, None] + ar[None, :Q], self.dtype)
             append = CacheAppend(self.cache, slot_t, lens, ends, additive_mask(ok[:, None], self.dtype),
                                  ar[None, :Q] < counts[:, None])
             out, _ = self.head.layer_step(feats, toks, cos, sin, None, append)
@@ -446,7 +446,6 @@ class EagleDrafter:
             cur_ok = (ar[None, :Q, None] >= ar[None, None, :Q]) & (ar[None, None, :Q] < counts[:, None, None])
             mask = torch.cat([past_ok.expand(B, Q, P), cur_ok | torch.eye(Q, dtype=torch.bool,
                                                                           device=self.device)], -1)
-            cos, sin = self.head.rotary(lens[:, None] + ar[None, :Q], self.dtype)
             out, (k, v) = self.head.layer_step(feats, toks, cos, sin, mask, self.cache.read(slot_t, P))
             self.cache.write(slot_t, lens, k, v, counts)
         n_pending = counts - (1 if roots is not None else 0)
@@ -491,7 +490,7 @@ class EagleDrafter:
 
         scratch = budget.max_depth * budget.topk
         in_cache = self.in_cache and S + scratch <= self.cache.max_len
-        attend = (self._in_cache_tree(slot_t, root_pos, S + scratch) if in_cache
+        attend = (self._in_cache_tree(slot_t, root_pos, S, scratch) if in_cache
                   else self._copied_tree(slot_t, root_pos, budget))
         return expand_dynamic_tree(step, roots, budget, token_map=head.token_map,
                                    min_frontier_mass=self.min_frontier_mass, ancestors=not in_cache)
@@ -525,12 +524,13 @@ class EagleDrafter:
 
         return attend
 
-    def _in_cache_tree(self, slot_t: Tensor, root_pos: Tensor, width: int):
+    def _in_cache_tree(self, slot_t: Tensor, root_pos: Tensor, S: int, scratch: int):
         """fr -> (None, CacheAppend, None) of a tree level written into the slots' own cache: level d's
         frontier node j at root_pos + 1 + (d - 1) * k + j, read there by the CPU kernel. A node's
-        ancestors among those positions are its parent's, plus itself."""
+        ancestors among those positions are its parent's, plus itself. S = max(root_pos) + 1; the
+        levels write at most ``scratch`` nodes."""
         B = slot_t.numel()
-        ar = torch.arange(width, device=self.device)
+        ar = torch.arange(S + scratch, device=self.device)
         prefix_ok = (ar[None] <= root_pos[:, None]) & (ar[None] >= self.start[slot_t][:, None])  # [B, width]
         levels = {"anc": None, "written": 0}        # the frontier's ancestors over the written nodes
 
@@ -540,7 +540,7 @@ class EagleDrafter:
             anc = own if n == 0 else torch.cat(
                 [levels["anc"].gather(1, fr.parent_slot[..., None].expand(-1, -1, n)), own], -1)
             levels["anc"], levels["written"] = anc, n + F_
-            keys = int(root_pos.max()) + 1 + n + F_
+            keys = S + n + F_
             ok = prefix_ok[:, None, :keys].expand(B, F_, keys).clone()
             ok.scatter_(2, (root_pos[:, None, None] + 1 + ar[:n + F_]).expand(B, F_, n + F_), anc)
             return None, CacheAppend(self.cache, slot_t, root_pos + 1 + n, root_pos + 1 + n + F_,

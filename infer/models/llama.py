@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdec.heads.layers import additive_mask
+
 from . import attention_cpu, glue_cpu, tree_attention_mask
 from .linear import DecodeLinear
 
@@ -215,7 +217,7 @@ class LeanCausalLM:
                                            positions=positions, window=layer.window)   # [B, 1, N, L]
                 # Additive once per forward: SDPA would turn a bool mask into this in every layer
                 # (~9% of a 13-node verification's attention at a 673-token context).
-                additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+                additive = additive_mask(mask, x.dtype)
                 if attention_cpu.takes(x.dtype, x.device, layer.head_dim):
                     masks[key] = additive  # one kernel call a layer, each row reading its own keys
                 else:
