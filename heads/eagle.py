@@ -491,15 +491,15 @@ class EagleDrafter:
         scratch = budget.max_depth * budget.topk
         in_cache = self.in_cache and S + scratch <= self.cache.max_len
         attend = (self._in_cache_tree(slot_t, root_pos, S, scratch) if in_cache
-                  else self._copied_tree(slot_t, root_pos, budget))
+                  else self._copied_tree(slot_t, root_pos, S, budget))
         return expand_dynamic_tree(step, roots, budget, token_map=head.token_map,
                                    min_frontier_mass=self.min_frontier_mass, ancestors=not in_cache)
 
-    def _copied_tree(self, slot_t: Tensor, root_pos: Tensor, budget: TreeBudget):
+    def _copied_tree(self, slot_t: Tensor, root_pos: Tensor, S: int, budget: TreeBudget):
         """fr -> (mask, past_kv, keep) of a tree level whose nodes' K/V go to a tree buffer (by
         candidate index; ``keep(fr, kv)`` stores them) read beside a copy of the slots' cache:
-        any device, any dtype."""
-        B, S = slot_t.numel(), int(root_pos.max()) + 1
+        any device, any dtype. S = max(root_pos) + 1."""
+        B = slot_t.numel()
         past_k, past_v = self.cache.read(slot_t, S)
         ar = torch.arange(S, device=self.device)[None]
         prefix_ok = (ar <= root_pos[:, None]) & (ar >= self.start[slot_t][:, None])  # [B, S]
