@@ -51,6 +51,20 @@ class FeatureSpec:
     topk_logits: int = 0               # top-k of the target's logits (distillation targets)
 
 
+def save_weights(tensors: dict[str, Tensor], path: Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, readable as the other files are: safetensors 0.8 writes through a
+    private temporary file (mode 0600), and an engine in a container running as another user
+    could not read the head."""
+    import os
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """One proposer API for every method (see docs/ARCHITECTURE.md for the timeline)."""
@@ -242,8 +256,6 @@ class DraftHead(nn.Module):
     def save_pretrained(self, out_dir, overrides: dict[str, Tensor] | None = None) -> Path:
         """Write config.json + model.safetensors; ``overrides`` (name -> tensor) are written in
         place of those weights (the trainer's exact values of parameters it kept frozen)."""
-        from safetensors.torch import save_file
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
@@ -252,9 +264,9 @@ class DraftHead(nn.Module):
         if unknown:
             raise KeyError(f"overrides name weights this head does not save: {unknown}")
         tensors.update((k, v.detach().cpu().contiguous()) for k, v in (overrides or {}).items())
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": HEAD_FORMAT})
+        save_weights(tensors, out / WEIGHTS_FILE, metadata={"format": HEAD_FORMAT})
         if self.token_counts is not None:
-            save_file({"token_counts": self.token_counts.contiguous()}, str(out / TOKEN_COUNTS_FILE))
+            save_weights({"token_counts": self.token_counts.contiguous()}, out / TOKEN_COUNTS_FILE)
         return out
 
     def export_formats(self) -> list[str]:

@@ -33,8 +33,26 @@ DEFAULT_DRAFT_VOCAB = 8192
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's default EAGLE-3 aux layers, in HF hidden_states indexing: low, middle, high."""
+    """EAGLE-3's default auxiliary layers, low / middle / high, exactly as vLLM picks them.
+
+    (2, L // 2, L - 3) in HF hidden_states indexing. Small test targets get repeats
+    (4 layers: [2, 2, 1]); kept anyway so every part of specdec and vLLM agree.
+    """
+    if num_layers < 3:
+        raise ValueError(f"EAGLE-3's default aux layers need a target with >= 3 layers, got {num_layers}")
     return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(aux_layers, num_layers: int) -> list[int]:
+    """Validate aux layer ids: each must be a residual stream *entering* a layer, 0..L-1."""
+    layers = [int(layer) for layer in aux_layers]
+    bad = [layer for layer in layers if not 0 <= layer < num_layers]
+    if bad:
+        raise ValueError(
+            f"aux layer ids {bad} out of range: this target has {num_layers} layers, so ids run "
+            f"0..{num_layers - 1} (id i = the hidden state entering layer i; the final post-norm "
+            "state is the separate `hidden` feature)")
+    return layers
 
 
 @dataclass
@@ -89,7 +107,9 @@ class Eagle3Head(EagleFamily):
         c = config
         if c.aux_layers is None:
             c.aux_layers = default_aux_layers(c.num_target_layers)
-        c.aux_layers = [int(a) for a in c.aux_layers]
+        # a head built for a target checks its ids now, not when capture first reads them
+        c.aux_layers = (check_aux_layers(c.aux_layers, c.num_target_layers) if c.num_target_layers
+                        else [int(a) for a in c.aux_layers])
         if not 0 < c.draft_vocab_size <= c.vocab_size:
             raise ValueError(f"draft_vocab_size={c.draft_vocab_size} must be in [1, vocab_size={c.vocab_size}]")
         H, Vd = c.hidden_size, c.draft_vocab_size

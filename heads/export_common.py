@@ -122,13 +122,13 @@ def write_export(out_dir, head, target, fmt: str, config: dict, tensors: dict[st
 
     `usage` is a shell snippet using the placeholders <draft> and <verifier>; `notes` are
     sentences for the model card (engine caveats)."""
-    from safetensors.torch import save_file
+    from .base import save_weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Tied stages may share storage; safetensors refuses aliases, so every tensor gets its own copy.
     plain = {k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}
-    save_file(plain, str(out / weights_file), metadata={"format": "pt"})
+    save_weights(plain, out / weights_file, metadata={"format": "pt"})
     write_json(out / "config.json", config)
     write_json(out / PROVENANCE_FILE, {
         "format": EXPORT_FORMAT, "engine_format": fmt, "head_type": head.head_type(),

@@ -14,13 +14,14 @@ import sys
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.dtypes import AUTO_DECODING_HELP, DTYPE_CHOICES
-from specdec.infer.drafters import available_methods
+from specdec.infer.drafters import available_methods, method_for_head
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec-generate", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m", help="target name, HF folder or .gguf (default smollm2-135m)")
-    p.add_argument("--method", default="plain", help=f"drafting method: {', '.join(available_methods())}")
+    p.add_argument("--method", default=None, help=f"drafting method: {', '.join(available_methods())} "
+                                                  "(default: the --head's own, else plain)")
     p.add_argument("--head", default=None, help="trained head folder (head methods)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help=f"target dtype; {AUTO_DECODING_HELP} (default: %(default)s)")
@@ -43,13 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def usage_error(message: str):
+    """Say a bad flag value and exit 2, as argparse does for its own usage errors."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_opts(pairs: list[str], prog: str = "specdec-generate") -> dict:
     """``--opt KEY=VALUE`` pairs -> drafter options (shared with ``specdec-bench``)."""
     opts = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"{prog}: --opt expects KEY=VALUE, got {pair!r}")
+            usage_error(f"{prog}: --opt expects KEY=VALUE, got {pair!r}")
         try:
             opts[key] = json.loads(value)  # numbers, booleans, lists; anything else stays a string
         except json.JSONDecodeError:
@@ -65,23 +72,37 @@ def parse_budget(text: str | None, prog: str = "specdec-generate") -> TreeBudget
         nodes, depth, topk = (int(x) for x in text.split(","))
         return TreeBudget(nodes, depth, topk)
     except ValueError as err:  # not three whole numbers, or a TreeBudget that cannot be
-        raise SystemExit(f"{prog}: --budget expects NODES,DEPTH,TOPK (whole numbers), got {text!r}: {err}") from None
+        usage_error(f"{prog}: --budget expects NODES,DEPTH,TOPK (whole numbers), got {text!r}: {err}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import inspect
+
     from specdec.infer.api import LLM, SamplingParams
 
+    if args.method is None:
+        args.method = (method_for_head(args.head) if args.head else None) or "plain"
+    budget = parse_budget(args.budget)  # usage errors before the model loads
+    opts = parse_opts(args.opt)
+    clash = sorted(set(opts) & set(inspect.signature(LLM).parameters))
+    if clash:  # LLM(**opts) would take them as its own settings
+        print(f"specdec-generate: --opt {', '.join(clash)}: not a drafter option; use the command's own "
+              f"flag (--{clash[0].replace('_', '-')})", file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
         llm = LLM(target=args.target, method=args.method, head=args.head, dtype=args.dtype,
                   device=args.device, max_batch=max(1, len(args.prompt)) if args.json else 1,
-                  max_len=args.max_len, **parse_opts(args.opt))
-    except (ValueError, OSError, RuntimeError) as err:
+                  max_len=args.max_len, **opts)
+        return _generate(llm, args, params, budget)
+    except (ValueError, OSError, RuntimeError) as err:  # CacheFullError: a prompt past --max-len
         print(f"specdec-generate: {err}", file=sys.stderr)
         return 2
-    budget = parse_budget(args.budget)
+
+
+def _generate(llm, args, params, budget) -> int:
     if args.json:  # all prompts in one batch, one JSON line each
         for out in llm.generate(args.prompt, params, chat=args.chat, budget=budget):
             s = out.stats

@@ -219,11 +219,23 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     partial.rename(folder)  # atomic: a killed conversion never leaves a half folder
 
 
+def check_device(device) -> None:
+    """Raise TargetError, before any weights load, for a device this machine cannot run on."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise TargetError(f"unknown device {device!r}: {err}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "this PyTorch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise TargetError(f"device {device!r}: {why}; use --device cpu (or auto)")
+
+
 def load_target(name_or_path=None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Target:
     """Load a frozen target model + tokenizer from any supported name; ``dtype`` a torch dtype
     or a name (``auto``: see ``specdec.infer.dtypes.dtype_name``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     dtype = torch_dtype(dtype, device)
     name, where, gguf = resolve_target(name_or_path)
     kwargs = {"gguf_file": gguf} if gguf else {}

@@ -87,14 +87,20 @@ def resolve_features(target, head_type: str | None = None, hidden: bool | None =
             raise CaptureError("--head-type needs the head registry specdec.heads.get_head_class, "
                                "which this install lacks: give --aux-layers/--hidden/--topk-logits "
                                "instead") from err
-        head = get_head_class(head_type).from_target(target)
+        try:
+            head = get_head_class(head_type).from_target(target)
+        except KeyError as err:  # an unknown head type: the message lists the known ones
+            raise CaptureError(err.args[0]) from None
         fs = head.feature_spec()
         spec = as_feature_dict(fs)
         del head
     if hidden is not None:
         spec["hidden"] = bool(hidden)
     if aux_layers is not None:
-        spec["aux_layers"] = check_aux_layers(aux_layers, target.num_layers)
+        try:
+            spec["aux_layers"] = check_aux_layers(aux_layers, target.num_layers)
+        except ValueError as err:
+            raise CaptureError(f"--aux-layers: {err}") from None
     if topk_logits is not None:
         spec["topk_logits"] = int(topk_logits)
     if not (spec["hidden"] or spec["aux_layers"] or spec["topk_logits"]):

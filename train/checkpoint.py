@@ -47,6 +47,17 @@ def complete_tags(output_dir: str | Path) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+class ResumeError(RuntimeError):
+    """A run cannot resume: no checkpoint where --resume insists on one, or one of another shape."""
+
+
+def require_checkpoint(output_dir: str | Path) -> None:
+    """--resume's check, made before any data work so that a wrong output.dir costs nothing."""
+    if latest_checkpoint(output_dir) is None:
+        raise ResumeError(f"--resume: no complete checkpoint under {checkpoint_root(output_dir)} "
+                          "(drop --resume to start this run)")
+
+
 def latest_checkpoint(output_dir: str | Path) -> str | None:
     """The newest complete checkpoint's tag, or None."""
     tags = complete_tags(output_dir)
@@ -127,8 +138,17 @@ def load_checkpoint(engine, output_dir: str | Path, tag: str, rank: int) -> dict
     """Restore engine (weights, optimizer, scheduler) and this rank's RNG; returns trainer state."""
     root = checkpoint_root(output_dir)
     # not strict: the checkpoint lacks the frozen target copies on purpose
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=False,
-                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+    try:
+        path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=False,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+    except RuntimeError as err:
+        if "size mismatch" not in str(err):
+            raise
+        # the recipe's head changed shape since this checkpoint (a head field, the target)
+        mismatches = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
+        raise ResumeError(f"checkpoint {root / tag} holds a head of another shape than this recipe "
+                          f"builds ({'; '.join(mismatches[:3])}): start over with --no-resume or "
+                          "choose another output.dir") from None
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
     state = (client or {}).get("specdec")

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # --check may follow the overrides
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from specdec.train.config import RecipeError, load_recipe
@@ -67,11 +67,16 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
+    from specdec.infer.target import TargetError
+    from specdec.train.capture import CaptureError
+    from specdec.train.checkpoint import ResumeError
+    from specdec.train.data import DataError
     from specdec.train.pipeline import run
 
     try:
         final = run(recipe, resume=args.resume)
-    except RecipeError as err:  # what only the built head can check (optim.freeze), before any work
+    # what only the target, the built head, the data or output.dir can tell: said in a line
+    except (RecipeError, TargetError, DataError, CaptureError, ResumeError) as err:
         print(f"specdec-train: {err}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:

@@ -34,7 +34,7 @@ BUNDLED = {  # name -> file in train/assets/, licence beside it as LICENSE.<stem
     "sharegpt_dummy": "sharegpt_dummy.json",  # Apache-2.0 (FastChat)
     "tasks": "task_mix.jsonl",             # Apache-2.0 + MIT: built from the two above (scripts/make_task_prompts.py)
 }
-CACHE_VERSION = 2  # bump when tokenisation changes so old caches are not reused
+CACHE_VERSION = 3  # bump when tokenisation or the cache layout changes (3: no empty eval split saved)
 
 
 class DataError(ValueError):
@@ -434,7 +434,7 @@ def prepare_dataset(paths, tokenizer, max_length: int = 2048, pack: bool = False
     folder = Path(cache_root or cache_dir() / "data") / key
     if cache and (folder / "dataset_dict.json").exists():
         print(f"specdec-data: using cached tokenised data {folder}", file=sys.stderr)
-        return load_from_disk(str(folder))
+        return _with_eval(load_from_disk(str(folder)))
     convs = load_conversations(paths, fmt, on_error)
     if limit is not None:
         convs = convs.select(range(min(limit, len(convs))))
@@ -453,13 +453,20 @@ def prepare_dataset(paths, tokenizer, max_length: int = 2048, pack: bool = False
         partial = folder.with_name(folder.name + f".partial{os.getpid()}")
         bars = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # a bar per split for a sub-second save is noise
-        try:
-            out.save_to_disk(str(partial))
+        try:  # without an empty eval split: datasets cannot load one back (_with_eval restores it)
+            DatasetDict({name: split for name, split in out.items() if len(split)}).save_to_disk(str(partial))
         finally:
             if bars:
                 datasets.enable_progress_bars()
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(partial, folder)  # a killed run never leaves a half cache entry
-        out = load_from_disk(str(folder))
+        out = _with_eval(load_from_disk(str(folder)))
     return out
+
+
+def _with_eval(splits):
+    """A cached DatasetDict with its eval split back (saved without it when it was empty)."""
+    if "eval" not in splits:
+        splits["eval"] = splits["train"].select([])
+    return splits
 

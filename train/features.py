@@ -20,33 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from ..heads.eagle3 import check_aux_layers, default_aux_layers  # noqa: F401 (re-exported)
+
 # lm_head rows are projected this many positions at a time for top-k (50 MB of float32 logits
 # at 49k vocab; 64 at a time ran 30% slower on a 2-core CPU), so that a long
 # batch never materialises the whole [B, T, V] logits tensor (49k vocab x 16k tokens = 3 GB).
 _LOGIT_CHUNK = 256
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default auxiliary layers, low / middle / high, exactly as vLLM picks them.
-
-    (2, L // 2, L - 3) in HF hidden_states indexing. Small test targets get repeats
-    (4 layers: [2, 2, 1]); kept anyway so every part of specdec and vLLM agree.
-    """
-    if num_layers < 3:
-        raise ValueError(f"EAGLE-3's default aux layers need a target with >= 3 layers, got {num_layers}")
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def check_aux_layers(aux_layers, num_layers: int) -> list[int]:
-    """Validate aux layer ids: each must be a residual stream *entering* a layer, 0..L-1."""
-    layers = [int(layer) for layer in aux_layers]
-    bad = [layer for layer in layers if not 0 <= layer < num_layers]
-    if bad:
-        raise ValueError(
-            f"aux layer ids {bad} out of range: this target has {num_layers} layers, so ids run "
-            f"0..{num_layers - 1} (id i = the hidden state entering layer i; the final post-norm "
-            "state is the separate `hidden` feature)")
-    return layers
 
 
 def _causal_lm(target_model) -> torch.nn.Module:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .batches import OnlineSource, StoreSource
+from .checkpoint import require_checkpoint
 from .config import Recipe, resolve_head_class, split_loss
 from .runlog import RunLogger
 from .trainer import DistInfo, Trainer, barrier, setup_distributed
@@ -37,6 +38,8 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
     marks = [("start", time.perf_counter())]  # phase ends, for the closing time summary
     dist = setup_distributed()
     out = Path(recipe.output.dir)
+    if resume:
+        require_checkpoint(out)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         recipe.dump(out / "recipe.resolved.yaml")
@@ -196,10 +199,8 @@ def prepare_data(recipe: Recipe, target, dist: DistInfo):
     parts = []
     for first in (True, False):  # rank 0 tokenises (and caches) first, the others then read it
         if first == dist.is_main:
-            # (no cache without an eval split: datasets cannot reload a saved empty split)
             parts = [prepare_dataset([p], target.tokenizer, max_length=d.max_length, pack=d.pack,
-                                     fmt=fmt, eval_fraction=d.eval_fraction, seed=d.seed, limit=limit,
-                                     cache=d.eval_fraction > 0)
+                                     fmt=fmt, eval_fraction=d.eval_fraction, seed=d.seed, limit=limit)
                      for p, fmt, limit in sources]
         barrier()
     train = concatenate_datasets([p["train"] for p in parts])
@@ -229,7 +230,10 @@ def build_head(recipe: Recipe, target):
     head_cls = resolve_head_class(recipe.head.type)
     loss_fields, _ = split_loss(head_cls, recipe.loss)
     torch.manual_seed(recipe.optim.seed)
-    head = head_cls.from_target(target, **recipe.head.fields, **loss_fields)
+    try:
+        head = head_cls.from_target(target, **recipe.head.fields, **loss_fields)
+    except ValueError as err:  # a field the target rules out (aux layer ids, vocab sizes, shapes)
+        raise RecipeError(f"{recipe.source}: head: {err}") from None
     try:
         freeze_parameters(head, recipe.optim.freeze)
     except ValueError as err:

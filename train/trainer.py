@@ -25,7 +25,7 @@ from torch import nn
 from specdec.infer.dtypes import native_bf16
 
 from .batches import GlobalBatchPlan, eval_batches
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, require_checkpoint, save_checkpoint
 from .config import Recipe, split_loss
 from .evaluate import EvalResult, evaluate, format_table
 
@@ -218,10 +218,10 @@ class Trainer:
     # ------------------------------------------------------------------ resume
     def restore(self, resume: bool | None) -> bool:
         """Load the newest complete checkpoint (resume None = if one exists). True if loaded."""
+        if resume:
+            require_checkpoint(self.out)
         tag = latest_checkpoint(self.out)
         if resume is False or tag is None:
-            if resume:
-                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.out}/checkpoints")
             return False
         self.state = {"train_seconds": 0.0, **load_checkpoint(self.engine, self.out, tag, self.dist.rank)}
         if "total_steps" in self.state:  # a time budget fixed it before the checkpoint: keep it

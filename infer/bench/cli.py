@@ -105,6 +105,7 @@ def run(args):
     questions = specbench.load_questions(args.questions, cats, args.limit)
     budget = parse_budget(args.budget, prog="specdec-bench")
     drafter_opts = parse_opts(args.opt, prog="specdec-bench")
+    report.prepare_out(args.out)  # before the (long) run: an unusable --out must not cost the results
     args.dtype = dtype_name(args.dtype, device, decoding=True)  # results.json records the dtype that ran
     target = load_target(args.target, dtype=args.dtype, device=device)
     answers = specbench.run_benchmark(target, methods, questions, args.max_new_tokens, args.runs,

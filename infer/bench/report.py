@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 FORMAT = "specdec-bench/1"
@@ -23,6 +24,20 @@ PUBLISHED = {
         ("Lookahead", "1.40x", "1.14x", "1.19x", "1.24x", "1.55x", "1.09x", "1.66", "1.27x"),
     ],
 }
+
+
+def prepare_out(out_dir) -> Path:
+    """Create the output folder and check that it takes files, or raise BenchError saying why."""
+    from .specbench import BenchError
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BenchError(f"--out {out}: cannot be a folder ({err.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise BenchError(f"--out {out}: not writable")
+    return out
 
 
 def write_results(out_dir, machine: dict, target: dict, settings: dict, methods: dict) -> list[Path]:

@@ -107,7 +107,7 @@ class MethodSpec:
 
 def parse_methods(text: str) -> list[MethodSpec]:
     """``plain,pld,eagle3=DIR`` -> specs, with ``hf`` first and ``plain`` second always present."""
-    from specdec.infer.drafters import available_methods
+    from specdec.infer.drafters import available_methods, unknown_method_message
 
     specs, known = [], set(available_methods()) | {HF}
     for item in (s.strip() for s in text.split(",")):
@@ -116,7 +116,7 @@ def parse_methods(text: str) -> list[MethodSpec]:
         name, _, value = item.partition("=")
         name = name.strip()
         if name not in known:
-            raise BenchError(f"unknown method {name!r}; available: {', '.join(sorted(known))}")
+            raise BenchError(unknown_method_message(name, sorted(known)))
         if name in (HF, PLAIN) and value:
             raise BenchError(f"method {name!r} takes no '={value}'")
         specs.append(MethodSpec(name, value.strip() or None))

@@ -20,6 +20,25 @@ def head_methods() -> dict[str, str]:
     return {get_head_class(t).method_name(): t for t in head_types()}
 
 
+def method_for_head(folder) -> str | None:
+    """The method that drafts with the head in ``folder`` (its config's head type), or None
+    when the folder is no head folder: the caller then says what is wrong."""
+    from specdec.heads.base import read_head_config
+
+    try:
+        head_type = read_head_config(folder)["head_type"]
+    except (OSError, ValueError):
+        return None
+    return {t: m for m, t in head_methods().items()}.get(head_type)
+
+
+def unknown_method_message(method: str, available) -> str:
+    """'unknown method ...', pointing from a head type (mlp_speculator) to its method (mlp)."""
+    by_type = {t: m for m, t in head_methods().items() if m != t}
+    hint = f" (a {method!r} head drafts as method {by_type[method]!r})" if method in by_type else ""
+    return f"unknown method {method!r}{hint}; available: {', '.join(available)}"
+
+
 class DrafterError(ValueError):
     """Unknown method, missing/mismatched head, or a drafter module without a factory."""
 
@@ -47,9 +66,11 @@ def make_drafter(method: str, target, head=None, **opts):
     if method == "plain":
         if head is not None:
             raise DrafterError("method 'plain' takes no head")
+        if opts:
+            raise DrafterError(f"method 'plain' drafts nothing, so it takes no drafter options: {sorted(opts)}")
         return None
     if method in head_methods():
-        return _head_drafter(method, target, head, **opts)
+        return _with_opts_checked(method, lambda: _head_drafter(method, target, head, **opts))
     if method in training_free_methods():
         factory = _factory(method)
         if head is not None:  # only a method that merges in a head (hybrid) accepts one
@@ -58,8 +79,18 @@ def make_drafter(method: str, target, head=None, **opts):
             if "head" not in inspect.signature(factory).parameters:
                 raise DrafterError(f"method {method!r} is training-free and takes no head")
             opts["head"] = head
-        return factory(target, **opts)
-    raise DrafterError(f"unknown method {method!r}; available: {', '.join(available_methods())}")
+        return _with_opts_checked(method, lambda: factory(target, **opts))
+    raise DrafterError(unknown_method_message(method, available_methods()))
+
+
+def _with_opts_checked(method: str, build):
+    """build(), with an option the drafter does not take said as a DrafterError."""
+    try:
+        return build()
+    except TypeError as err:
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise DrafterError(f"method {method!r} does not take that option: {err}") from None
 
 
 def load_draft_head(folder, target):
@@ -85,7 +116,8 @@ def load_draft_head(folder, target):
 
 def _head_drafter(method: str, target, head, **opts):
     if head is None:
-        raise DrafterError(f"method {method!r} needs a trained head: pass its folder (--head PATH)")
+        raise DrafterError(f"method {method!r} needs a trained head: pass its folder "
+                           f"(specdec-generate/serve: --head PATH; specdec-bench: {method}=PATH)")
     if isinstance(head, (str, Path)):
         head = load_draft_head(head, target)
     head_type = getattr(head, "head_type", None)  # DraftHead.head_type() = its registry key

@@ -135,7 +135,7 @@ def parse_args(argv=None):
     p.add_argument("--target", default="smollm2-135m", help="embedded name, HF folder, .gguf or hub id")
     p.add_argument("--head", help=f"trained head folder (default: {DEFAULT_HEAD} if it exists)")
     p.add_argument("--method", help="plain, a head method (eagle3, medusa, ...) or pld/lookahead/...; "
-                   "default: eagle3 with a head, else plain")
+                   "default: the head's own method with a head, else plain")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help=f"target dtype; {AUTO_DECODING_HELP} (default: %(default)s)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -182,10 +182,12 @@ def _device(name: str) -> str:
 
 
 def resolve_method(args) -> tuple[str, str | None]:
+    from specdec.infer.drafters import method_for_head
+
     head = args.head
     if head is None and args.method in (None, "eagle3") and args.target == "smollm2-135m" and DEFAULT_HEAD.is_dir():
         head = str(DEFAULT_HEAD)
-    method = args.method or ("eagle3" if head else "plain")
+    method = args.method or ((method_for_head(head) or "eagle3") if head else "plain")
     return method, head
 
 

@@ -75,6 +75,8 @@ def test_save_load_roundtrip_is_exact(tiny_target, kit, tmp_path, name):
                       aux_layers=head.feature_spec().aux_layers)
     head, _ = kit.train(head, batch, 3, lr=3e-3)
     head.save_pretrained(tmp_path / "h")
+    mode = lambda f: (tmp_path / "h" / f).stat().st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")  # readable as the config (not 0600)
     loaded = load_head(tmp_path / "h", tiny_target)
     assert type(loaded) is type(head) and loaded.config == head.config
     with torch.no_grad():

@@ -167,13 +167,21 @@ def test_budget_and_drafter_options_reach_every_speculative_method(tiny_target_d
     assert 1.0 <= pld["tau"] <= 2.0 and pld["identical_rate"] == 1.0
     assert bench("--opt", "telepathy=1")[0] == 2
     assert "method 'pld'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--budget expects NODES,DEPTH,TOPK"):
+    with pytest.raises(SystemExit) as exit_info:
         bench("--budget", "4,0,2")
+    assert exit_info.value.code == 2                          # a usage error, as argparse's
+    assert "--budget expects NODES,DEPTH,TOPK" in capsys.readouterr().err
 
 
 def test_cli_errors_and_serve_dispatch(tmp_path, capsys):
     assert cli.main(["--target", "tiny-llama", "--methods", "plain,warp", "--out", str(tmp_path)]) == 2
     assert "unknown method" in capsys.readouterr().err
+    assert cli.main(["--target", "tiny-llama", "--methods", "plain,mlp_speculator", "--out", str(tmp_path)]) == 2
+    assert "as method 'mlp'" in capsys.readouterr().err       # the head type points to its method
+    (tmp_path / "a-file").touch()                              # said before the run, not after it
+    assert cli.main(["--target", "tiny-llama", "--methods", "plain", "--limit", "1", "--max-new-tokens", "2",
+                     "--out", str(tmp_path / "a-file")]) == 2
+    assert "cannot be a folder" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--serve", "--help"])
     assert exit_info.value.code == 0

@@ -52,6 +52,39 @@ def test_bad_method_and_missing_head_are_reported(tiny_target_dir, capsys):
     assert "--head" in capsys.readouterr().err
 
 
+def test_bad_options_devices_and_long_prompts_are_said_in_a_line(tiny_target_dir, capsys):
+    base = ["--target", str(tiny_target_dir), "--prompt", "x"]
+    assert main([*base, "--method", "pld", "--opt", "bogus=1"]) == 2
+    assert "method 'pld' does not take that option" in capsys.readouterr().err
+    assert main([*base, "--opt", "ngram=3"]) == 2                  # plain drafts nothing
+    assert "method 'plain' drafts nothing" in capsys.readouterr().err
+    assert main([*base, "--head", str(tiny_target_dir)]) == 2      # a target folder, not a head
+    assert "method 'plain' takes no head" in capsys.readouterr().err
+    assert main([*base, "--method", "pld", "--opt", "dtype=1"]) == 2
+    assert "--opt dtype: not a drafter option" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--budget", "4,4"])
+    assert exit_info.value.code == 2
+    if not torch.cuda.is_available():
+        assert main([*base, "--device", "cuda"]) == 2
+        assert "use --device cpu" in capsys.readouterr().err
+    assert main(["--target", str(tiny_target_dir), "--prompt", "word " * 80, "--max-len", "32"]) == 2
+    assert "max_len=32" in capsys.readouterr().err
+
+
+def test_a_head_without_method_drafts_with_its_own(tiny_target_dir, tiny_target, tmp_path, capsys):
+    from specdec.heads import get_head_class
+
+    torch.manual_seed(0)
+    get_head_class("mlp_speculator").from_target(tiny_target).save_pretrained(tmp_path / "head")
+    base = ["--target", str(tiny_target_dir), "--prompt", "abc", "--max-new-tokens", "8", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--head", str(tmp_path / "head")]) == 0    # method mlp, from the head's config
+    drafted = json.loads(capsys.readouterr().out)
+    assert drafted["token_ids"] == plain["token_ids"] and drafted["steps"] <= plain["steps"]
+
+
 def test_entry_point_json_smoke(tiny_target_dir):
     exe = os.path.join(os.path.dirname(sys.executable), "specdec-generate")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "specdec.infer.generate"]

@@ -231,6 +231,20 @@ def test_prepare_dataset_splits_and_never_reuses_a_stale_cache(tmp_path, capsys)
     assert len(d["train"]) + len(d["eval"]) == 4
 
 
+@pytest.mark.parametrize("n, eval_fraction", [(1, 0.25), (6, 0.0)])
+def test_prepare_dataset_caches_a_split_without_eval(tmp_path, capsys, n, eval_fraction):
+    # one conversation cannot be split, and eval_fraction 0 asks for no eval: both leave the eval
+    # split empty, which datasets cannot load back once saved
+    tok = tiny_tokenizer()
+    f = write_jsonl(tmp_path / "c.jsonl", [{"messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(n)])
+    for _ in range(2):
+        ds = prepare_dataset([f], tok, max_length=64, eval_fraction=eval_fraction, cache_root=tmp_path / "cache")
+        assert (len(ds["train"]), len(ds["eval"])) == (n, 0)
+        assert ds["eval"].column_names == ds["train"].column_names
+    assert "using cached" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def test_cli_help_lists_every_subcommand(capsys):

@@ -156,12 +156,37 @@ def test_frozen_parameters_keep_their_starting_values(tmp_path, tiny_target):
                  "wandb.mode=disabled"]) == 2                     # the command says so, no traceback
 
 
-def test_explicit_resume_without_checkpoint_fails(tmp_path):
+def test_explicit_resume_without_checkpoint_fails(tmp_path, capsys):
     from specdec.train.cli import main
 
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-        main([str(TINY / "eagle3.yaml"), f"output.dir={tmp_path}", "data.limit=24", "optim.max_steps=2",
-              "wandb.mode=disabled", "--resume"])
+    assert main([str(TINY / "eagle3.yaml"), f"output.dir={tmp_path}", "data.limit=24", "optim.max_steps=2",
+                 "wandb.mode=disabled", "--resume"]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "features").exists()  # said before any data work
+
+
+def test_head_fields_the_target_rules_out_fail_before_any_work(tmp_path, capsys):
+    from specdec.train.cli import main
+
+    base = [str(TINY / "eagle3.yaml"), f"output.dir={tmp_path}", "wandb.mode=disabled"]
+    assert main([*base, "head.aux_layers=[1, 2, 9]"]) == 2          # tiny-llama has 4 layers
+    assert "aux layer ids [9] out of range" in capsys.readouterr().err
+    assert main([*base, "head.draft_vocab_size=100000"]) == 2
+    assert "draft_vocab_size=100000" in capsys.readouterr().err
+    assert not (tmp_path / "features").exists()
+
+
+def test_resume_into_a_head_of_another_shape_says_so(tmp_path, capsys):
+    from specdec.train.cli import main
+
+    base = [str(TINY / "eagle3.yaml"), f"output.dir={tmp_path}", "data.limit=24", "optim.max_steps=2",
+            "output.save_every=1", "wandb.mode=disabled"]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main([*base, "optim.max_steps=3", "head.draft_vocab_size=128"]) == 2
+    err = capsys.readouterr().err
+    assert "another shape" in err and "--no-resume" in err
+    assert (tmp_path / "final" / "model.safetensors").exists()       # the finished head is kept
 
 
 # ----------------------------------------------------------------------------- subprocess runs
