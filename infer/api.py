@@ -25,7 +25,7 @@ class LLM:
     """
 
     def __init__(self, target="smollm2-135m", method: str = "plain", head=None, dtype: str | None = None,
-                 max_batch: int = 8, max_len: int = 2048, device: str = "cpu",
+                 max_batch: int = 8, max_len: int | None = None, device: str = "cpu",
                  prefill_chunk: int | None = None, prefix_cache_mb: float = 0, **drafter_opts):
         from specdec.infer.drafters import make_drafter
         from specdec.infer.dtypes import dtype_name

@@ -52,6 +52,22 @@ class StepStats:
     verified: dict = field(default_factory=dict)  # request id -> tree nodes verified (root included)
 
 
+DEFAULT_MAX_LEN = 2048  # tokens per sequence (prompt + output) when the caller names none
+
+
+def context_length(target, max_len: int | None) -> int:
+    """The KV length per sequence: ``max_len``, or DEFAULT_MAX_LEN within the target's positions.
+    A ``max_len`` past the positions the target was trained for (``max_position_embeddings``)
+    is refused, as vLLM refuses such a ``max_model_len``: its output there is not to be trusted."""
+    limit = getattr(getattr(target.model, "config", None), "max_position_embeddings", None)
+    if max_len is None:
+        return min(DEFAULT_MAX_LEN, limit or DEFAULT_MAX_LEN)
+    if limit and max_len > limit:
+        raise ValueError(f"max_len={max_len} is past the {limit} positions target {target.name!r} "
+                         "was trained for (its max_position_embeddings)")
+    return max_len
+
+
 class Engine:
     """``Engine(target, drafter=None, max_batch, max_len, dtype, device, prefill_chunk)``.
 
@@ -61,9 +77,10 @@ class Engine:
     prefix for later prompts (``infer/prefix_cache.py``; 0: off).
     """
 
-    def __init__(self, target, drafter=None, max_batch: int = 8, max_len: int = 2048, dtype=None,
+    def __init__(self, target, drafter=None, max_batch: int = 8, max_len: int | None = None, dtype=None,
                  device=None, prefill_chunk: int | None = None, impl: str = "auto", prefix_cache_bytes: int = 0):
         self.target, self.drafter = target, drafter
+        max_len = context_length(target, max_len)
         spec = drafter.feature_spec if drafter is not None else None
         self.runner = TargetRunner(target, max_batch, max_len, dtype, device, feature_spec=spec, impl=impl)
         self.device, self.max_len = self.runner.device, max_len

@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap each prompt in the target's chat template (default on)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
-    p.add_argument("--max-len", type=int, default=2048, help="KV cache length per sequence")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="KV cache length per sequence (default: 2048, or the target's max_position_embeddings "
+                        "if fewer; more than that is refused)")
     p.add_argument("--budget", default=None, metavar="NODES,DEPTH,TOPK",
                    help="draft tree budget (default: the drafter's own)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",

@@ -42,7 +42,7 @@ def server_grid(top, spec_nodes=None, spec_depth: int | None = None, spec_topk: 
 
 
 def build_app(target, method: str = "plain", head=None, *, dtype=None, device="cpu", max_batch: int = 8,
-              max_len: int = 2048, policy: str = "goodput", spec_nodes=None, spec_depth: int | None = None,
+              max_len: int | None = None, policy: str = "goodput", spec_nodes=None, spec_depth: int | None = None,
               spec_topk: int | None = None, fixed_nodes: int | None = None, disable_batch_size: int = 8,
               cost_profile: str | None = None, max_queue: int = 256, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None,
@@ -95,7 +95,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, controller, metrics, max_batch=max_batch, max_queue=max_queue,
                           torch_thread=torch_thread, step_log=steps)
-    config = ServerConfig(model_name=name, max_len=max_len, api_key=api_key, max_body_bytes=max_body_bytes,
+    config = ServerConfig(model_name=name, max_len=engine.max_len, api_key=api_key, max_body_bytes=max_body_bytes,
                           max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
                           aliases=(target.name,))
     app = create_app(scheduler, target.tokenizer, config, SamplingParams)
@@ -145,7 +145,9 @@ def parse_args(argv=None):
                    help="require 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients ask for (default: the target's name)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
-    p.add_argument("--max-len", type=int, default=2048, help="context per slot: prompt + completion tokens")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="context per slot: prompt + completion tokens (default: 2048, or the target's "
+                        "max_position_embeddings if fewer; more than that is refused)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens prefilled per step, so long prompts do not stall running requests")

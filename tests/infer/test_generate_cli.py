@@ -70,6 +70,8 @@ def test_bad_options_devices_and_long_prompts_are_said_in_a_line(tiny_target_dir
         assert "use --device cpu" in capsys.readouterr().err
     assert main(["--target", str(tiny_target_dir), "--prompt", "word " * 80, "--max-len", "32"]) == 2
     assert "max_len=32" in capsys.readouterr().err
+    assert main([*base, "--max-len", "5000"]) == 2               # tiny-llama has 1,024 positions
+    assert "past the 1024 positions" in capsys.readouterr().err
 
 
 def test_a_head_without_method_drafts_with_its_own(tiny_target_dir, tiny_target, tmp_path, capsys):
