@@ -58,6 +58,27 @@ def require_checkpoint(output_dir: str | Path) -> None:
                           "(drop --resume to start this run)")
 
 
+def check_head_shapes(output_dir: str | Path, head) -> None:
+    """Resuming into a head of other shapes (a head field or the target changed since the
+    checkpoint) fails here, before any data work, naming the tensors that differ."""
+    tag = latest_checkpoint(output_dir)
+    states = checkpoint_root(output_dir) / str(tag) / "mp_rank_00_model_states.pt"
+    if tag is None or not states.exists():  # no checkpoint, or a layout load_checkpoint checks
+        return
+    saved = torch.load(states, map_location="cpu", weights_only=False, mmap=True).get("module") or {}
+    mine = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    differ = [f"{name}: checkpoint {tuple(t.shape)}, recipe {mine[name]}"
+              for name, t in ((k.removeprefix("head."), v) for k, v in saved.items())
+              if name in mine and tuple(t.shape) != mine[name]]
+    if differ:
+        raise ResumeError(_shape_message(checkpoint_root(output_dir) / tag, differ))
+
+
+def _shape_message(where: Path, differ: list[str]) -> str:
+    return (f"checkpoint {where} holds a head of another shape than this recipe builds "
+            f"({'; '.join(differ[:3])}): start over with --no-resume or choose another output.dir")
+
+
 def latest_checkpoint(output_dir: str | Path) -> str | None:
     """The newest complete checkpoint's tag, or None."""
     tags = complete_tags(output_dir)
@@ -146,9 +167,7 @@ def load_checkpoint(engine, output_dir: str | Path, tag: str, rank: int) -> dict
             raise
         # the recipe's head changed shape since this checkpoint (a head field, the target)
         mismatches = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
-        raise ResumeError(f"checkpoint {root / tag} holds a head of another shape than this recipe "
-                          f"builds ({'; '.join(mismatches[:3])}): start over with --no-resume or "
-                          "choose another output.dir") from None
+        raise ResumeError(_shape_message(root / tag, mismatches)) from None
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
     state = (client or {}).get("specdec")

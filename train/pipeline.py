@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .batches import OnlineSource, StoreSource
-from .checkpoint import require_checkpoint
+from .checkpoint import check_head_shapes, require_checkpoint
 from .config import Recipe, resolve_head_class, split_loss
 from .runlog import RunLogger
 from .trainer import DistInfo, Trainer, barrier, setup_distributed
@@ -49,6 +49,8 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
     barrier()
     target = load_target(recipe.target.name, dtype=recipe.target.dtype, device=dist.device)
     head = build_head(recipe, target)   # before the data work: a bad optim.freeze fails here
+    if resume is not False:
+        check_head_shapes(out, head)     # and so does a checkpoint this head cannot resume
     train_ds, eval_ds = prepare_data(recipe, target, dist)
     choose_draft_vocab(head, train_ds, target.vocab_size)
     marks.append(("target + data", time.perf_counter()))

@@ -186,6 +186,7 @@ def test_resume_into_a_head_of_another_shape_says_so(tmp_path, capsys):
     assert main([*base, "optim.max_steps=3", "head.draft_vocab_size=128"]) == 2
     err = capsys.readouterr().err
     assert "another shape" in err and "--no-resume" in err
+    assert "d2t: checkpoint (256,), recipe (128,)" in err             # said before any data work
     assert (tmp_path / "final" / "model.safetensors").exists()       # the finished head is kept
 
 
