@@ -18,16 +18,17 @@ class LLM:
     """A target, an optional drafter (``method`` + ``head``) and an engine around them.
 
     ``target``: a name or folder for ``load_target`` or an already loaded ``Target``.
+    ``method`` None: the head's own (``eagle3`` for an EAGLE-3 head folder), ``plain`` without one.
     ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
     ``dtype`` None: an already loaded target runs in its own dtype, a name loads in float32;
     ``auto``: bfloat16 where the device decodes faster in it (``dtypes.fast_bf16_decoding``), else float32.
     ``prefix_cache_mb`` > 0: prompts sharing a prefix with earlier ones reuse its K/V (off by default).
     """
 
-    def __init__(self, target="smollm2-135m", method: str = "plain", head=None, dtype: str | None = None,
+    def __init__(self, target="smollm2-135m", method: str | None = None, head=None, dtype: str | None = None,
                  max_batch: int = 8, max_len: int | None = None, device: str = "cpu",
                  prefill_chunk: int | None = None, prefix_cache_mb: float = 0, **drafter_opts):
-        from specdec.infer.drafters import make_drafter
+        from specdec.infer.drafters import make_drafter, method_for_head
         from specdec.infer.dtypes import dtype_name
         from specdec.infer.engine import Engine
         from specdec.infer.target import Target, load_target
@@ -36,6 +37,9 @@ class LLM:
             dtype = dtype_name(dtype, device, decoding=True)  # one concrete dtype for the target and the engine
         if not isinstance(target, Target):
             target = load_target(target, dtype=dtype or "float32", device=device)
+        if method is None:  # a head drafts with its own method (a folder: its config's head type)
+            own = head.method_name() if hasattr(head, "method_name") else head and method_for_head(head)
+            method = own or "plain"
         self.target = target
         self.method = method
         self.drafter = make_drafter(method, self.target, head=head, **drafter_opts)
@@ -72,17 +76,23 @@ class LLM:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        ids = []
-        for prompt, sp in zip(prompts, per_prompt):
-            rid = f"gen-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, self.encode(prompt, chat), sp)
-            ids.append(rid)
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        while any(rid not in final for rid in ids):
-            for out in self.engine.step(budget):
-                if on_output is not None:
-                    on_output(out)
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            for prompt, sp in zip(prompts, per_prompt):
+                rid = f"gen-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, self.encode(prompt, chat), sp)
+                ids.append(rid)
+            while any(rid not in final for rid in ids):
+                for out in self.engine.step(budget):
+                    if on_output is not None:
+                        on_output(out)
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:  # a rejected prompt, an error, Ctrl-C: the next call starts clean
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort(rid)
+            raise
         return [final[rid] for rid in ids]

@@ -55,11 +55,16 @@ class StepStats:
 DEFAULT_MAX_LEN = 2048  # tokens per sequence (prompt + output) when the caller names none
 
 
+def position_limit(target) -> int | None:
+    """The positions the target was trained for (``max_position_embeddings``), if it says."""
+    return getattr(getattr(target.model, "config", None), "max_position_embeddings", None)
+
+
 def context_length(target, max_len: int | None) -> int:
     """The KV length per sequence: ``max_len``, or DEFAULT_MAX_LEN within the target's positions.
     A ``max_len`` past the positions the target was trained for (``max_position_embeddings``)
     is refused, as vLLM refuses such a ``max_model_len``: its output there is not to be trusted."""
-    limit = getattr(getattr(target.model, "config", None), "max_position_embeddings", None)
+    limit = position_limit(target)
     if max_len is None:
         return min(DEFAULT_MAX_LEN, limit or DEFAULT_MAX_LEN)
     if limit and max_len > limit:
@@ -94,6 +99,7 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes, feature_tail=tail) if prefix_cache_bytes > 0 else None
         self.slots = SlotAllocator(max_batch)
         self.eos_ids = set(target.eos_token_ids)
+        self.vocab_size = target.vocab_size
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
         self.last_step = StepStats()
@@ -113,6 +119,10 @@ class Engine:
         prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:  # an embedding lookup would fail mid-step, for the whole batch
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the target's "
+                             f"vocabulary (0..{self.vocab_size - 1})")
         if len(prompt) >= self.max_len:
             raise CacheFullError(f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no "
                                  f"room under max_len={self.max_len}")

@@ -14,7 +14,7 @@ import sys
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.dtypes import AUTO_DECODING_HELP, DTYPE_CHOICES
-from specdec.infer.drafters import available_methods, method_for_head
+from specdec.infer.drafters import available_methods
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdec.infer.api import LLM, SamplingParams
 
-    if args.method is None:
-        args.method = (method_for_head(args.head) if args.head else None) or "plain"
     budget = parse_budget(args.budget)  # usage errors before the model loads
     opts = parse_opts(args.opt)
     clash = sorted(set(opts) & set(inspect.signature(LLM).parameters))
@@ -124,7 +122,7 @@ def _generate(llm, args, params, budget) -> int:
         out = llm.generate(prompt, params, chat=args.chat, budget=budget, on_output=stream)[0]
         s = out.stats
         print(flush=True)
-        print(f"[{args.method}] τ = {s['tau']:.2f} tokens/step, {s['tokens_per_s']:.1f} tokens/s "
+        print(f"[{llm.method}] τ = {s['tau']:.2f} tokens/step, {s['tokens_per_s']:.1f} tokens/s "
               f"({s['new_tokens']} tokens in {s['seconds']:.2f} s, {out.finish_reason})", file=sys.stderr)
     return 0
 

@@ -2,6 +2,8 @@
 its stop rules (eos / stop token ids, max_tokens, stop strings) and incremental detokenisation."""
 from __future__ import annotations
 
+import math
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,10 +30,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        for name in ("max_tokens", "top_k"):  # 5.5 tokens would silently become 6
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be a whole number, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or math.isinf(self.temperature):  # NaN fails every comparison
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -271,6 +271,9 @@ def load_conversations(paths, fmt: str = "auto", on_error: str = "skip"):
     from datasets import Dataset
 
     rows = [{"messages": c.messages} for c in iter_conversations(paths, fmt, on_error)]
+    if not rows:  # (datasets cannot build an empty dataset from a list)
+        names = ", ".join(map(str, [paths] if isinstance(paths, (str, os.PathLike)) else paths))
+        raise DataError(f"no conversation in {names} (empty, or every record skipped)")
     return Dataset.from_list(rows, features=_messages_features())
 
 

@@ -126,6 +126,27 @@ def capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="discard an existing capture in --out")
 
 
+def _check_capture_args(args):
+    """The capture flags' own ranges, said at once; returns --aux-layers parsed (or 'default')."""
+    from specdec.train.capture import CaptureError
+
+    bad = [f"--{name.replace('_', '-')} must be >= {low}, got {value}"
+           for name, low in (("topk_logits", 0), ("limit", 1), ("max_length", 2), ("batch_tokens", 1),
+                             ("shard_tokens", 1))
+           if (value := getattr(args, name)) is not None and value < low]
+    if not 0 <= args.eval_fraction < 1:
+        bad.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    aux = args.aux_layers
+    if aux not in (None, "default"):
+        try:
+            aux = [int(x) for x in aux.split(",") if x.strip()]
+        except ValueError:
+            bad.append(f"--aux-layers takes comma-separated layer ids or 'default', got {aux!r}")
+    if bad:
+        raise CaptureError("; ".join(bad))
+    return aux
+
+
 def capture_run(args) -> int:
     from datasets import concatenate_datasets
 
@@ -133,12 +154,10 @@ def capture_run(args) -> int:
     from specdec.train.data import prepare_dataset
     from specdec.train.features import default_aux_layers
 
+    aux = _check_capture_args(args)  # before the target loads and --overwrite discards anything
     target = _load_target(args)
-    aux = args.aux_layers
     if aux == "default":
         aux = default_aux_layers(target.num_layers)
-    elif aux is not None:
-        aux = [int(x) for x in aux.split(",") if x.strip()]
     features = resolve_features(target, args.head_type, args.hidden, aux, args.topk_logits)
     paths = _data_paths(args.data)
     splits = prepare_dataset(paths, target.tokenizer, max_length=args.max_length, pack=args.pack,
@@ -201,13 +220,17 @@ def evaluate_run(args) -> int:
     source = StoreSource(store, range(len(store)))
     device = next(target.model.parameters()).device
     dtype = torch_dtype(args.dtype, device)
-    results = {}
-    for head_dir in args.heads:
-        head = load_head(head_dir, target=target).to(device, dtype)
-        missing = missing_features(store.features, head.feature_spec())
+    heads = {head_dir: load_head(head_dir, target=target) for head_dir in args.heads}
+    for head_dir, head in heads.items():  # every head checked before the first is scored
+        spec = head.feature_spec()
+        missing = missing_features(store.features, spec)
         if missing:
+            aux = f" --aux-layers {','.join(map(str, spec.aux_layers))}" if spec.aux_layers else ""
             raise CaptureError(f"{args.features} lacks what {head_dir} reads: {', '.join(missing)}; "
-                               f"capture with --head-type {type(head).head_type()}")
+                               f"capture with --head-type {type(head).head_type()}{aux}")
+    results = {}
+    for head_dir, head in heads.items():
+        head = head.to(device, dtype)
         batches = (source.batch(p, dtype, device) for p in eval_batches(len(store), args.batch_size, 1, 0))
         result = evaluate(head, batches, args.depth)
         results[head_dir] = result.to_dict()

@@ -64,12 +64,25 @@ def upload_plan(folder: Path, repo_id: str) -> tuple[list[Path], bytes]:
     return files, card.encode()
 
 
+def _is_trainer_folder(folder: Path) -> bool:
+    from specdec.heads.base import HEAD_FORMAT
+
+    try:
+        return json.loads((folder / "config.json").read_text()).get("format") == HEAD_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def push_export(folder, repo_id: str, *, private: bool = False, revision: str | None = None,
                 token: str | None = None, endpoint: str | None = None) -> str:
     """Create `repo_id` (if needed) and commit the export in `folder` to it; returns the commit URL."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise PushError(f"{folder} is not an export folder (no config.json): run specdec-export first")
+    if _is_trainer_folder(folder):  # specdec's own format: no engine loads it from the Hub
+        raise PushError(f"{folder} is a head as specdec-train saves it, which vLLM, SGLang and TGI do "
+                        f"not load: export it first (specdec-export {folder} --format vllm --out DIR) "
+                        "and push DIR")
     if not REPO_ID.fullmatch(repo_id):
         raise PushError(f"--repo-id must look like ORG/NAME, got {repo_id!r}")
     if _offline():

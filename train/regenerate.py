@@ -64,17 +64,17 @@ def done_ids(out: Path) -> set[str]:
     return ids
 
 
-def _replies(engine, prompts: list[tuple[str, str]], params) -> Iterator[tuple[str, str, str, int]]:
-    """(prompt id, reply text, finish reason, new tokens) for each (prompt id, chat text), in
-    the order the replies finish.
+def _replies(engine, prompts: list[tuple[str, list[int]]], params) -> Iterator[tuple[str, str, str, int]]:
+    """(prompt id, reply text, finish reason, new tokens) for each (prompt id, chat-templated
+    prompt ids), in the order the replies finish.
 
     Runs on specdec's own engine (static KV cache, continuous batching): every prompt is queued
     at once and a finished reply frees its slot for the next one, so the slots stay busy until
     the last replies drain.
     """
     tok = engine.target.tokenizer
-    for i, (_, text) in enumerate(prompts):
-        engine.add_request(str(i), tok(text, add_special_tokens=False)["input_ids"], params)
+    for i, (_, ids) in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
     while engine.has_unfinished():
         for out in engine.step(None):
             if out.finished:
@@ -108,18 +108,25 @@ def regenerate(target, data, out, *, limit: int | None = None, batch_size: int =
     done = done_ids(out)
     total = len(todo)
     todo = [(pid, p) for pid, p in todo if pid not in done]
-    # The prompt as the target reads it, rendered once for the order, the cache size and the requests.
-    texts = {pid: tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for pid, p in todo}
-    # Prompts of similar lengths arrive together and prefill in one padded forward; order does
-    # not matter for resume (ids) or for the recipes (pipeline._first_replies restores it).
-    todo.sort(key=lambda item: len(texts[item[0]]))
-    from specdec.infer.engine import Engine
+    from specdec.infer.engine import Engine, position_limit
     from specdec.infer.requests import SamplingParams
 
-    longest = max(map(len, texts.values()), default=0)
+    # The prompt as the target reads it, tokenised once for the order, the cache size and the requests.
+    prompt_ids = {pid: tok(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"] for pid, p in todo}
+    limit = position_limit(target) or sys.maxsize
+    too_long = [pid for pid, _ in todo if len(prompt_ids[pid]) >= limit]
+    if too_long:  # no room for a reply within the positions the target was trained for
+        print(f"regenerate: skipped {len(too_long)} prompt(s) of {limit} tokens or more (the target's "
+              f"positions), e.g. id {too_long[0]}", file=sys.stderr)
+        todo = [(pid, p) for pid, p in todo if pid not in set(too_long)]
+    # Prompts of similar lengths arrive together and prefill in one padded forward; order does
+    # not matter for resume (ids) or for the recipes (pipeline._first_replies restores it).
+    todo.sort(key=lambda item: len(prompt_ids[item[0]]))
+    longest = max((len(prompt_ids[pid]) for pid, _ in todo), default=0)
     dtype = next(target.model.parameters()).dtype
-    # max_len in tokens: characters bound the prompt's token count from above.
-    engine = Engine(target, None, max_batch=batch_size, max_len=longest + 16 + max_new_tokens,
+    # a reply that reaches the target's last position ends there, as one that reaches max_new_tokens
+    engine = Engine(target, None, max_batch=batch_size, max_len=min(longest + 16 + max_new_tokens, limit),
                     dtype=dtype, device=next(target.model.parameters()).device)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +135,7 @@ def regenerate(target, data, out, *, limit: int | None = None, batch_size: int =
     start = time.perf_counter()
     prompts_by_id = dict(todo)
     with open(out, "a", encoding="utf-8") as f:
-        for pid, text, finish, n in _replies(engine, [(pid, texts[pid]) for pid, _ in todo], params):
+        for pid, text, finish, n in _replies(engine, [(pid, prompt_ids[pid]) for pid, _ in todo], params):
             record = {"id": pid, "messages": prompts_by_id[pid] + [{"role": "assistant", "content": text}],
                       "finish_reason": finish}
             f.write(json.dumps(record, ensure_ascii=False) + "\n")

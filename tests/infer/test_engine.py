@@ -330,11 +330,29 @@ def test_engine_input_errors(tiny_target):
         engine.add_request("b", [])
     with pytest.raises(Exception, match="max_len=16"):
         engine.add_request("c", list(range(16)))
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        engine.add_request("d", [1, 10**7])
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="whole number"):
+        SamplingParams(max_tokens=5.5)
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(temperature=float("nan"))
     # A sequence that fills the cache ends with "length": 13 committed tokens + the last root.
     final = run(engine, {}, None)
     assert final["a"].finish_reason == "length" and len(final["a"].token_ids) == 16 - 3 + 1
+
+
+def test_llm_generate_queues_all_prompts_or_none(tiny_target):
+    from specdec.infer.api import LLM
+
+    llm = LLM(tiny_target, "plain", max_batch=2, max_len=64)
+    with pytest.raises(Exception, match="max_len=64"):
+        llm.generate(["ok", "hello " * 100], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()            # "ok" was not left queued for the next call
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[10**7]], SamplingParams(max_tokens=3))
+    assert len(llm.generate(["ok"], SamplingParams(max_tokens=4))[0].token_ids) == 4
 
 
 def test_sequence_hitting_max_len_finishes_with_length(tiny_target, plain_outputs):

@@ -243,7 +243,7 @@ def test_smollm2_hidden_is_post_norm(smollm2):
     assert torch.equal(feats["topk_indices"][..., 0], logits.argmax(-1))
 
 
-def test_cli_evaluate_scores_heads_on_a_capture(tmp_path, monkeypatch, tiny_target_dir, tiny_target):
+def test_cli_evaluate_scores_heads_on_a_capture(tmp_path, monkeypatch, tiny_target_dir, tiny_target, capsys):
     """`specdec-data evaluate`: every captured sequence scored, as the trainer's eval scores them;
     a capture without the features a head reads is refused, naming them."""
     from specdec.heads import get_head_class
@@ -273,3 +273,16 @@ def test_cli_evaluate_scores_heads_on_a_capture(tmp_path, monkeypatch, tiny_targ
     assert got["count"] == expected.count and got["correct"] == expected.correct and got["count"][0] > 0
     assert got["tau"] == pytest.approx(expected.tau)
     assert main([*argv, "--features", str(tmp_path / "medusa")]) == 2   # no aux layers captured
+    # a head of other aux layers than its type's default: the advice names them
+    get_head_class("eagle3").from_target(tiny_target, aux_layers=[1, 2, 3]).save_pretrained(tmp_path / "h123")
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "head"), str(tmp_path / "h123"), "--target", str(tiny_target_dir),
+                 "--features", str(tmp_path / "e3")]) == 2
+    out = capsys.readouterr()
+    assert "--head-type eagle3 --aux-layers 1,2,3" in out.err and "==" not in out.out   # none scored
+    # flags out of range are said before --overwrite discards the capture there
+    assert main(["capture", *common, "--topk-logits", "-2", "--eval-fraction", "1.5", "--overwrite",
+                 "--out", str(tmp_path / "e3")]) == 2
+    err = capsys.readouterr().err
+    assert "--topk-logits must be >= 0" in err and "--eval-fraction must be in [0, 1)" in err
+    assert len(FeatureStore(tmp_path / "e3")) == 6

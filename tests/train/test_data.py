@@ -231,6 +231,15 @@ def test_prepare_dataset_splits_and_never_reuses_a_stale_cache(tmp_path, capsys)
     assert len(d["train"]) + len(d["eval"]) == 4
 
 
+def test_a_file_without_conversations_is_said_in_a_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no conversation in .*empty.jsonl"):
+        load_conversations([empty])
+    with pytest.raises(DataError, match="no conversation"):
+        prepare_dataset([empty], tiny_tokenizer(), cache_root=tmp_path / "cache")
+
+
 @pytest.mark.parametrize("n, eval_fraction", [(1, 0.25), (6, 0.0)])
 def test_prepare_dataset_caches_a_split_without_eval(tmp_path, capsys, n, eval_fraction):
     # one conversation cannot be split, and eval_fraction 0 asks for no eval: both leave the eval

@@ -187,4 +187,6 @@ def test_bad_input_is_named(hub, tmp_path, export_dir, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert main([str(export_dir), "--repo-id", "not-a-repo-id"]) == 1
     assert "ORG/NAME" in capsys.readouterr().err
+    assert main([str(export_dir.parent / "head"), "--repo-id", "acme/x"]) == 1   # not exported yet
+    assert "specdec-export" in capsys.readouterr().err
     assert not hub.requests

@@ -60,6 +60,18 @@ def test_replies_are_the_targets_own_greedy_output(tmp_path, tiny_target, prompt
     assert len(load_conversations([out], on_error="fail")) == 8
 
 
+def test_long_prompts_fit_by_tokens_and_past_the_positions_are_skipped(tmp_path, tiny_target, capsys):
+    # tiny-llama has 1,024 positions and byte tokens: 900 characters fit (a bound in characters
+    # would not), 1,100 do not
+    f = tmp_path / "long.jsonl"
+    rows = [{"id": n, "messages": [{"role": "user", "content": "ab" * (n // 2)}]} for n in (900, 1100, 10)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.jsonl"
+    stats = regenerate(tiny_target, [f], out, **{**GEN, "max_new_tokens": 200})
+    assert stats["written"] == 2 and sorted(r["id"] for r in read(out)) == ["long.jsonl/10", "long.jsonl/900"]
+    assert "skipped 1 prompt(s) of 1024 tokens or more" in capsys.readouterr().err
+
+
 def test_resume_skips_written_ids_and_drops_a_half_line(tmp_path, tiny_target, prompts_file):
     out = tmp_path / "r.jsonl"
     regenerate(tiny_target, [prompts_file], out, limit=3, **GEN)
