@@ -80,7 +80,7 @@ def _read_records(path: Path, policy: ErrorPolicy) -> Iterator[tuple[object, str
     """Yield (record, "file:line", index) for each record of a JSON list/object or JSONL file."""
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no record
     start = len(text) - len(text.lstrip())
     jsonl = path.suffix == ".jsonl"
     if not jsonl and text[start:start + 1] == "{":

@@ -150,12 +150,18 @@ def _check_capture_args(args):
 def capture_run(args) -> int:
     from datasets import concatenate_datasets
 
+    from specdec.infer.engine import position_limit
     from specdec.train.capture import capture, resolve_features
     from specdec.train.data import prepare_dataset
     from specdec.train.features import default_aux_layers
 
     aux = _check_capture_args(args)  # before the target loads and --overwrite discards anything
     target = _load_target(args)
+    limit = position_limit(target)
+    if limit and args.max_length > limit:  # features past the trained positions would teach noise
+        print(f"specdec-data capture: sequences cut at {limit} tokens, the target's positions "
+              f"(--max-length {args.max_length})", file=sys.stderr)
+        args.max_length = limit
     if aux == "default":
         aux = default_aux_layers(target.num_layers)
     features = resolve_features(target, args.head_type, args.hidden, aux, args.topk_logits)
@@ -311,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, CaptureError, TargetError, HeadShapeError, FileNotFoundError) as err:
         print(f"specdec-data {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        resumable = args.command in ("regenerate", "capture")  # they keep what they finished
+        print(f"\nspecdec-data {args.command}: interrupted"
+              + ("; the same command resumes where it stopped" if resumable else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -231,6 +231,13 @@ def test_prepare_dataset_splits_and_never_reuses_a_stale_cache(tmp_path, capsys)
     assert len(d["train"]) + len(d["eval"]) == 4
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes("\ufeff".encode() + b'{"messages": [{"role": "user", "content": "q"}, '
+                  b'{"role": "assistant", "content": "a"}]}\n')
+    assert load_conversations([f], on_error="fail")["messages"][0][1]["content"] == "a"
+
+
 def test_a_file_without_conversations_is_said_in_a_line(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
