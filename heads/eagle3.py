@@ -98,7 +98,8 @@ class Eagle3Head(EagleFamily):
     @classmethod
     def target_config(cls, target) -> dict:
         d = super().target_config(target)
-        d["aux_layers"] = default_aux_layers(d["num_target_layers"])
+        n = d["num_target_layers"]
+        d["aux_layers"] = default_aux_layers(n) if n >= 3 else None  # None: the fields must name them
         d["draft_vocab_size"] = min(DEFAULT_DRAFT_VOCAB, d["vocab_size"])
         return d
 

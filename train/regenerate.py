@@ -119,7 +119,8 @@ def regenerate(target, data, out, *, limit: int | None = None, batch_size: int =
     if too_long:  # no room for a reply within the positions the target was trained for
         print(f"regenerate: skipped {len(too_long)} prompt(s) of {limit} tokens or more (the target's "
               f"positions), e.g. id {too_long[0]}", file=sys.stderr)
-        todo = [(pid, p) for pid, p in todo if pid not in set(too_long)]
+        skip = set(too_long)
+        todo = [(pid, p) for pid, p in todo if pid not in skip]
     # Prompts of similar lengths arrive together and prefill in one padded forward; order does
     # not matter for resume (ids) or for the recipes (pipeline._first_replies restores it).
     todo.sort(key=lambda item: len(prompt_ids[item[0]]))
