@@ -13,13 +13,15 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 export DS_ACCELERATOR ?= $(shell $(PY) -c "import shutil;print('cuda' if shutil.which('nvidia-smi') else 'cpu')")
 
-.PHONY: venv install test test-all test-formats demo bench gpu-check clean help
+.PHONY: venv install test test-formats demo gpu-check clean help
 
 help:
 	@echo "make demo          - the main job: fetch SmolLM2-135M, self-distil data, train EAGLE-3, benchmark"
 	@echo "make test          - the test suite (CPU, ~10 min)"
 	@echo "make test-formats  - opt-in: load our exports with the 'speculators' package (own venv)"
 	@echo "make gpu-check     - on a CUDA machine: Triton kernels vs reference + step timings"
+	@echo "make install       - only create .venv and install specdec into it (the others do it first)"
+	@echo "make clean         - remove what the targets above built"
 
 # A torch that already imports (say the user's CUDA build) is kept: the venv then sees it.
 $(BIN)/python:

@@ -41,9 +41,11 @@ def verifier_ref(target, identity: dict | None = None) -> str:
     """How an engine config names the verifier (the target), tokenizer-free.
 
     `target.export_verifier` when the caller set one (specdec-export --verifier, e.g. a hub id
-    before pushing), else the target's hub id (portable: the embedded smollm2-135m is a copy of
-    HuggingFaceTB/SmolLM2-135M-Instruct), else its local model folder (absolute, loadable by
-    every engine on this machine), else its name.
+    before pushing), else the target's hub id (portable: the embedded smollm2-135m is
+    HuggingFaceTB/SmolLM2-135M-Instruct quantised to 4 bits (Q4_1) and dequantised, so an engine
+    loading the hub model verifies with its full-precision original: acceptance there may differ
+    a little from the measured one), else its local model folder (absolute, loadable by every
+    engine on this machine), else its name.
     """
     if target is not None:
         override = getattr(target, "export_verifier", None) or getattr(target, "hub_id", None)
@@ -130,10 +132,16 @@ def write_export(out_dir, head, target, fmt: str, config: dict, tensors: dict[st
     plain = {k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}
     save_weights(plain, out / weights_file, metadata={"format": "pt"})
     write_json(out / "config.json", config)
+    verifier = verifier_ref(target, head.target_identity)
+    original = getattr(target, "quantised_from", None)
+    if original and original[0] == verifier:  # the engine's verifier is not the very weights trained on
+        notes = [*notes, f"Trained against specdec's embedded `{target.name}` ({original[1]}, dequantised); "
+                         f"an engine loading `{verifier}` verifies with its full-precision weights, where "
+                         "acceptance may differ a little from the table below."]
     write_json(out / PROVENANCE_FILE, {
         "format": EXPORT_FORMAT, "engine_format": fmt, "head_type": head.head_type(),
         "head_config": head.config_dict(), "target": head.target_identity,
-        "verifier": verifier_ref(target, head.target_identity), "weights_file": weights_file,
+        "verifier": verifier, "weights_file": weights_file,
         "dtype": dtype_name(plain), "usage": usage, "notes": list(notes)})
     write_card(out)
     return out

@@ -83,6 +83,13 @@ class Target:
         return self.name if _looks_like_hub_id(self.name) and not Path(self.name).exists() else None
 
     @property
+    def quantised_from(self) -> tuple[str, str] | None:
+        """(hub id of the original, GGUF file) for an embedded target: a quantised copy, dequantised."""
+        if self.name in EMBEDDED and self.name in EMBEDDED_HUB_IDS:
+            return EMBEDDED_HUB_IDS[self.name], Path(EMBEDDED[self.name][1]).name
+        return None
+
+    @property
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
 

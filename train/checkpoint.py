@@ -18,6 +18,7 @@ import os
 import random
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -48,7 +49,34 @@ def complete_tags(output_dir: str | Path) -> list[tuple[int, str]]:
 
 
 class ResumeError(RuntimeError):
-    """A run cannot resume: no checkpoint where --resume insists on one, or one of another shape."""
+    """A run cannot start or resume in its output.dir: another run holds it, no checkpoint where
+    --resume insists on one, or one of another shape."""
+
+
+LOCK_FILE = ".specdec-train.lock"
+
+
+def lock_output_dir(output_dir: str | Path):
+    """Hold output.dir for this run (the main process) until the returned file is closed or the
+    process dies: two runs writing one folder's checkpoints would prune each other's."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    f = open(Path(output_dir) / LOCK_FILE, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        f.close()
+        raise ResumeError(f"{output_dir} is in use by another specdec-train run ({owner}): let it "
+                          "finish or stop it, or choose another output.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 def require_checkpoint(output_dir: str | Path) -> None:

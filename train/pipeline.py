@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .batches import OnlineSource, StoreSource
-from .checkpoint import check_head_shapes, require_checkpoint
+from .checkpoint import check_head_shapes, lock_output_dir, require_checkpoint
 from .config import Recipe, resolve_head_class, split_loss
 from .runlog import RunLogger
 from .trainer import DistInfo, Trainer, barrier, setup_distributed
@@ -33,15 +33,26 @@ from .yamlnodes import RecipeError
 
 def run(recipe: Recipe, resume: bool | None = None) -> Path:
     """Train the recipe's head; returns ``<output.dir>/final``. resume None = automatic."""
-    from specdec.infer.target import load_target
-
     marks = [("start", time.perf_counter())]  # phase ends, for the closing time summary
     dist = setup_distributed()
     out = Path(recipe.output.dir)
     if resume:
         require_checkpoint(out)
+    lock = None
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        lock = lock_output_dir(out)  # this run's until it ends (or its process dies)
+    try:
+        return _run(recipe, resume, dist, out, marks)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _run(recipe: Recipe, resume: bool | None, dist: DistInfo, out: Path, marks: list) -> Path:
+    from specdec.infer.target import load_target
+
+    if dist.is_main:
         recipe.dump(out / "recipe.resolved.yaml")
         if resume is False:  # start over: forget checkpoints and the metric log, keep data caches
             shutil.rmtree(out / "checkpoints", ignore_errors=True)

@@ -227,6 +227,9 @@ class Trainer:
         if "total_steps" in self.state:  # a time budget fixed it before the checkpoint: keep it
             self._set_total_steps(self.state["total_steps"])
         self._say(f"resumed from {self.out / 'checkpoints' / tag} at step {self.state['step']}")
+        if self.state["step"] > self.total_steps:  # a smaller max_steps does not undo steps taken
+            self._say(f"that is past this recipe's {self.total_steps} steps: nothing to train; final/ "
+                      f"holds the step-{self.state['step']} head (--no-resume trains {self.total_steps})")
         return True
 
     # ------------------------------------------------------------------ training

@@ -398,3 +398,15 @@ def test_cli_is_atomic(head_dir, tiny_target_dir, tmp_path, monkeypatch, capsys)
     assert main([*args[:4], str(fresh), *args[5:]]) == 1 and not fresh.exists()
     monkeypatch.undo()
     assert main(args + ["--force"]) == 0 and leftovers(tmp_path) == []
+
+
+def test_an_embedded_quantised_target_says_so_in_the_card(smollm2, tmp_path):
+    # the head learnt the dequantised GGUF's behaviour; the engine will load the hub original
+    from specdec.train.export import export_head
+
+    head = get_head_class("medusa").from_target(smollm2, num_heads=1)
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "exp", target=smollm2)
+    notes = json.loads((out / "specdec.json").read_text())["notes"]
+    assert any("SmolLM2-135M-Instruct.Q4_1.gguf, dequantised" in n for n in notes)
+    assert "verifies with its full-precision weights" in (out / "README.md").read_text()

@@ -176,6 +176,20 @@ def test_head_fields_the_target_rules_out_fail_before_any_work(tmp_path, capsys)
     assert not (tmp_path / "features").exists()
 
 
+def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path, capsys):
+    from specdec.train.checkpoint import lock_output_dir
+    from specdec.train.cli import main
+
+    held = lock_output_dir(tmp_path)              # as a live run holds it (another process: flock)
+    try:
+        assert main([str(TINY / "eagle3.yaml"), f"output.dir={tmp_path}", "wandb.mode=disabled"]) == 2
+        assert "in use by another specdec-train run (pid" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert main([str(TINY / "eagle3.yaml"), f"output.dir={tmp_path}", "data.limit=24", "optim.max_steps=1",
+                 "wandb.mode=disabled"]) == 0
+
+
 def test_resume_into_a_head_of_another_shape_says_so(tmp_path, capsys):
     from specdec.train.cli import main
 
@@ -183,6 +197,8 @@ def test_resume_into_a_head_of_another_shape_says_so(tmp_path, capsys):
             "output.save_every=1", "wandb.mode=disabled"]
     assert main(base) == 0
     capsys.readouterr()
+    assert main([*base, "optim.max_steps=1"]) == 0                  # fewer steps than were taken
+    assert "past this recipe's 1 steps: nothing to train" in capsys.readouterr().err
     assert main([*base, "optim.max_steps=3", "head.draft_vocab_size=128"]) == 2
     err = capsys.readouterr().err
     assert "another shape" in err and "--no-resume" in err

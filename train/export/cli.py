@@ -14,8 +14,8 @@ formats (the folder loads in the engine as it is; README.md in it says how):
   trtllm       ReDrafter (Apple's drafter folder: TensorRT-LLM's examples/redrafter converter and
                Apple's recurrent_drafting read it)
 
-the export also carries specdec.json (provenance), and eval.json / recipe.resolved.yaml when the
-head folder has them (the trainer's final/ does); specdec-push uploads it to the Hugging Face Hub.
+the export also carries specdec.json (provenance), and eval.json and the recipe (the trainer's final/
+has both: recipe.yaml, written as recipe.resolved.yaml); specdec-push uploads it to the Hugging Face Hub.
 """
 
 
@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None,
                    help="target to export against (default: the name in the head's config.json)")
     p.add_argument("--verifier", default=None,
-                   help="how the engine config names the target (default: its local folder); "
-                        "give the hub id before pushing, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
+                   help="how the engine config names the target (default: its hub id when known, "
+                        "as for the embedded smollm2-135m, else its local folder: give the hub id "
+                        "before pushing)")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="cast the weights (default: as saved)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     return p
