@@ -350,7 +350,10 @@ class Engine:
                 q = None if t.draft_probs is None else t.draft_probs[j]
                 rows[b] = (t.tokens[j].to(self.device), t.parents[j].to(self.device),
                            t.valid[j].to(self.device), q)
-        return _pad_trees(rows), [row[3] is not None for row in rows], [row[0].shape[0] for row in rows]
+        # a sampled row's width ends at its last valid node: a drafter pads its rows to the widest
+        # of the group, and that padding must not draw from the row's seeded stream
+        widths = [row[0].shape[0] if r.params.greedy else _own_width(row[2]) for r, row in zip(reqs, rows)]
+        return _pad_trees(rows), [row[3] is not None for row in rows], widths
 
     def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, sampled_q: list[bool],
                 widths: list[int]):
@@ -403,6 +406,11 @@ class Engine:
         r.unfed.clear()
         self.slots.release(r.slot)
         r.slot = None
+
+
+def _own_width(valid: torch.Tensor) -> int:
+    """Nodes up to a row's last valid one (the root, node 0, always is)."""
+    return int(valid.nonzero()[-1]) + 1
 
 
 def _pad_trees(rows: list[tuple]) -> DraftTree:

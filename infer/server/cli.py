@@ -170,6 +170,9 @@ def parse_args(argv=None):
                    help="append one JSON line per engine step to FILE: its time split (gap, plan, engine, "
                         "after), batch, tokens verified, draft nodes, accepted drafts and the policy's arm, "
                         "to see where a policy wins or loses time")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="drafter option (repeatable), as specdec-generate's, e.g. --method rest "
+                        "--opt datastore=DIR (a datastore from specdec-data datastore)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -202,6 +205,9 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"specdec-serve: --spec-nodes wants integers like 0,2,4,8, got {args.spec_nodes!r}", file=sys.stderr)
         return 2
+    from specdec.infer.generate import parse_opts
+
+    drafter_opts = parse_opts(args.opt, prog="specdec-serve")
     if args.prefix_cache_mb < 0:
         print(f"specdec-serve: --prefix-cache-mb must be >= 0 (0: off), got {args.prefix_cache_mb}", file=sys.stderr)
         return 2
@@ -214,7 +220,7 @@ def main(argv=None) -> int:
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         default_max_tokens=args.default_max_tokens,
                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                        step_log=args.step_log)
+                        step_log=args.step_log, drafter_opts=drafter_opts)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"specdec-serve: {err}", file=sys.stderr)
         return 2

@@ -321,6 +321,24 @@ def test_seeded_sampling_is_reproducible(tiny_target):
     assert other["r1"].token_ids != alone["r1"].token_ids
 
 
+def test_a_seeded_sample_does_not_depend_on_its_neighbours_trees(tiny_target):
+    # PLD drafts from each request's own text, so each row's tree is its own; the batch pads the
+    # rows to the widest, and the padding must not draw from a row's random stream
+    from specdec.infer.drafters import make_drafter
+
+    tok = tiny_target.tokenizer
+    texts = {"a": "abc abc abc abc abc abc", "b": "the cat the cat the cat the cat", "c": "xyz"}
+    prompts = {k: tok(v, add_special_tokens=False)["input_ids"] for k, v in texts.items()}
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+
+    def engine(batch):
+        return Engine(tiny_target, make_drafter("pld", tiny_target), max_batch=batch, max_len=128)
+
+    batched = run(engine(3), prompts, params)
+    for k in prompts:
+        assert run(engine(1), {k: prompts[k]}, params)[k].token_ids == batched[k].token_ids, k
+
+
 def test_engine_input_errors(tiny_target):
     engine = Engine(tiny_target, None, max_batch=1, max_len=16)
     engine.add_request("a", [1, 2, 3])

@@ -408,6 +408,13 @@ def test_a_negative_prefix_cache_is_refused_before_loading(capsys):
     assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
 
 
+def test_drafter_options_reach_the_drafter(capsys):
+    from specdec.infer.server.cli import main
+
+    assert main(["--target", "tiny-llama", "--method", "pld", "--opt", "bogus=1"]) == 2
+    assert "method 'pld' does not take that option" in capsys.readouterr().err
+
+
 def test_an_unwritable_step_log_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     from specdec.infer.server import cli, scheduler
 
