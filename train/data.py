@@ -372,10 +372,12 @@ def tokenize_conversations(ds, tokenizer, max_length: int, pack: bool = False):
     rows_ids, rows_mask = [], []
     row_ids, row_mask = [], []
     end_ids = end_of_turn_ids(tokenizer)
+    dropped = 0
     for messages in ds["messages"]:
         ids, mask = encode_conversation(messages, tokenizer, end_ids)
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask[1:]):  # position t learns from mask[t+1]: nothing to learn here
+            dropped += 1
             continue
         if not pack:
             rows_ids.append(ids), rows_mask.append(mask)
@@ -386,6 +388,9 @@ def tokenize_conversations(ds, tokenizer, max_length: int, pack: bool = False):
         row_ids, row_mask = row_ids + ids, row_mask + mask
     if row_ids:
         rows_ids.append(row_ids), rows_mask.append(row_mask)
+    if dropped:
+        print(f"specdec-data: left out {dropped} of {len(ds)} conversations with no assistant reply "
+              f"within {max_length} tokens", file=sys.stderr)
     features = Features({"input_ids": List(Value("int32")), "loss_mask": List(Value("int8"))})
     return Dataset.from_dict({"input_ids": rows_ids, "loss_mask": rows_mask}, features=features)
 

@@ -323,6 +323,11 @@ def capture_sources(recipe: Recipe, target, spec, train_ds, eval_ds, dist: DistI
                 capture(target, mine, dirs[dist.rank], features, batch_tokens=d.capture_batch_tokens,
                         source=source, progress=dist.is_main, overwrite=True)
         barrier()
+        if default_dir and dist.is_main:  # shares of a run with another process count: never read again
+            for stale in sorted(set((root / split).glob("part-*-of-*")) - set(dirs)):
+                print(f"features: removing {stale} (captured by {stale.name.rsplit('-of-', 1)[1]} processes)",
+                      file=sys.stderr)
+                shutil.rmtree(stale, ignore_errors=True)
         stores = [FeatureStore(p, features=features) for p, a, b in zip(dirs, bounds, bounds[1:]) if b > a]
         store = ConcatStore(stores)
         sources.append(StoreSource(store, list(range(len(store)))))

@@ -177,7 +177,7 @@ def test_loss_mask_on_smollm2_tokenizer():
     check_mask(CHAT[1:], tok, "<|im_end|>")
 
 
-def test_truncation_and_packing(tmp_path):
+def test_truncation_and_packing(tmp_path, capsys):
     tok = tiny_tokenizer()
     convs = [[{"role": "user", "content": f"question {i}"},
               {"role": "assistant", "content": "answer " * (i + 1)}] for i in range(12)]
@@ -192,7 +192,9 @@ def test_truncation_and_packing(tmp_path):
     for s, f_ in zip(short["input_ids"], full["input_ids"]):
         assert s == f_[:60]
     # So short that no assistant token survives: dropped (nothing to learn).
+    capsys.readouterr()
     assert len(tokenize_conversations(ds, tok, max_length=20)) == 0
+    assert f"left out {len(ds)} of {len(ds)} conversations with no assistant reply within 20" in capsys.readouterr().err
 
     packed = tokenize_conversations(ds, tok, max_length=150, pack=True)
     assert max(len(x) for x in packed["input_ids"]) <= 150

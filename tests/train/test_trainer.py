@@ -365,3 +365,7 @@ def test_two_processes_match_one(reference_run, tmp_path):
     ref, got = _final_weights(reference_run), _final_weights(out)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-3, atol=1e-4, msg=name)
+    # the finished run again in 1 process: its features are captured anew and the 2 shares go
+    proc = _train(out, "optim.grad_accum=2", "wandb.mode=disabled")
+    assert "nothing to train" not in proc.stderr and "removing" in proc.stderr
+    assert sorted(p.name for p in (out / "features" / "train").iterdir()) == ["part-0-of-1"]
