@@ -265,10 +265,10 @@ class Engine:
         if not live:
             return outputs
         budgets = [self._budget_for(r, budget) for r in live]
-        tree, sampled_q, widths = self._draft(live, budgets)
+        tree, sampled_q = self._draft(live, budgets)
         slots, base_lens = [r.slot for r in live], [r.kv_len for r in live]
         logits, feats = self.runner.verify(slots, tree, base_lens)              # [B, N, V]
-        n_acc, path, bonus = self._accept(live, tree, logits, sampled_q, widths)
+        n_acc, path, bonus = self._accept(live, tree, logits, sampled_q)
         n_list, bonus_list = n_acc.tolist(), bonus.tolist()
         if max(n_list) > 0:  # roots already sit at base_len: only accepted drafts move
             self.runner.commit(slots, base_lens, path, n_acc)
@@ -330,7 +330,7 @@ class Engine:
 
     def _draft(self, reqs: list[Request], budgets: list[TreeBudget]):
         """Propose per distinct budget, then pad all rows into one tree batch. -> (tree, whether
-        each row's draft tokens were sampled from draft_probs, each row's own width)."""
+        each row's draft tokens were sampled from draft_probs)."""
         roots = torch.tensor([r.root for r in reqs], device=self.device)     # [B]
         rows: list[tuple] = [None] * len(reqs)
         groups: dict[TreeBudget, list[int]] = {}
@@ -350,13 +350,9 @@ class Engine:
                 q = None if t.draft_probs is None else t.draft_probs[j]
                 rows[b] = (t.tokens[j].to(self.device), t.parents[j].to(self.device),
                            t.valid[j].to(self.device), q)
-        # a sampled row's width ends at its last valid node: a drafter pads its rows to the widest
-        # of the group, and that padding must not draw from the row's seeded stream
-        widths = [row[0].shape[0] if r.params.greedy else _own_width(row[2]) for r, row in zip(reqs, rows)]
-        return _pad_trees(rows), [row[3] is not None for row in rows], widths
+        return _pad_trees(rows), [row[3] is not None for row in rows]
 
-    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, sampled_q: list[bool],
-                widths: list[int]):
+    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, sampled_q: list[bool]):
         """Acceptance per kind of row: greedy, sampled with draft_probs, sampled point-mass.
         -> n_accepted [B], path [B, N] (-1 padded), bonus [B]."""
         B = len(reqs)
@@ -379,11 +375,12 @@ class Engine:
             temperature, top_k, top_p = sampling.sampling_tensors([reqs[b].params for b in members], self.device)
             uniforms = None
             if not greedy:
-                # Each row draws as many uniforms as its own tree has nodes (not the padded
-                # width), so a seeded request samples the same tokens in any batch.
+                # Each row draws as many uniforms as its own tree has nodes: up to its last valid
+                # one, not the width the batch (or its drafter's group) padded it to, so a seeded
+                # request samples the same tokens in any batch.
                 uniforms = torch.full((len(members), tree.num_nodes), 0.5, device=self.device)
-                for j, b in enumerate(members):
-                    uniforms[j, :widths[b]] = reqs[b].uniforms(widths[b])
+                for j, (b, width) in enumerate(zip(members, _own_widths(sub.valid))):
+                    uniforms[j, :width] = reqs[b].uniforms(width)
             res = verify.verify_tree(sub, logits[idx], temperature, top_k, top_p, uniforms=uniforms)
             n_acc[idx], bonus[idx] = res.n_accepted, res.bonus
             path[idx, :res.path.shape[1]] = res.path
@@ -408,9 +405,11 @@ class Engine:
         r.slot = None
 
 
-def _own_width(valid: torch.Tensor) -> int:
-    """Nodes up to a row's last valid one (the root, node 0, always is)."""
-    return int(valid.nonzero()[-1]) + 1
+def _own_widths(valid: torch.Tensor) -> list[int]:
+    """[B, N] valid -> each row's nodes up to its last valid one (the root, node 0, always is);
+    one host sync for the batch."""
+    index = torch.arange(valid.shape[1], device=valid.device)
+    return (torch.where(valid, index, 0).amax(1) + 1).tolist()
 
 
 def _pad_trees(rows: list[tuple]) -> DraftTree:
