@@ -29,13 +29,17 @@ def method_for_head(folder) -> str | None:
         head_type = read_head_config(folder)["head_type"]
     except (OSError, ValueError):
         return None
-    return {t: m for m, t in head_methods().items()}.get(head_type)
+    return _method_of_head_type().get(head_type)
+
+
+def _method_of_head_type() -> dict[str, str]:
+    return {t: m for m, t in head_methods().items()}
 
 
 def unknown_method_message(method: str, available) -> str:
     """'unknown method ...', pointing from a head type (mlp_speculator) to its method (mlp)."""
-    by_type = {t: m for m, t in head_methods().items() if m != t}
-    hint = f" (a {method!r} head drafts as method {by_type[method]!r})" if method in by_type else ""
+    own = _method_of_head_type().get(method, method)
+    hint = f" (a {method!r} head drafts as method {own!r})" if own != method else ""
     return f"unknown method {method!r}{hint}; available: {', '.join(available)}"
 
 
