@@ -22,17 +22,21 @@ class LLM:
     ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
     ``dtype`` None: an already loaded target runs in its own dtype, a name loads in float32;
     ``auto``: bfloat16 where the device decodes faster in it (``dtypes.fast_bf16_decoding``), else float32.
+    ``device`` ``auto``: a loaded target's own device, else cuda where a GPU is visible, else cpu.
     ``prefix_cache_mb`` > 0: prompts sharing a prefix with earlier ones reuse its K/V (off by default).
     """
 
     def __init__(self, target="smollm2-135m", method: str | None = None, head=None, dtype: str | None = None,
-                 max_batch: int = 8, max_len: int | None = None, device: str = "cpu",
+                 max_batch: int = 8, max_len: int | None = None, device: str = "auto",
                  prefill_chunk: int | None = None, prefix_cache_mb: float = 0, **drafter_opts):
         from specdec.infer.drafters import make_drafter, method_for_head
         from specdec.infer.dtypes import dtype_name
         from specdec.infer.engine import Engine
-        from specdec.infer.target import Target, load_target
+        from specdec.infer.target import Target, load_target, resolve_device
 
+        if device == "auto" and isinstance(target, Target):  # a loaded target runs where it already is
+            device = str(target.model.device)
+        device = resolve_device(device)
         if dtype is not None:
             dtype = dtype_name(dtype, device, decoding=True)  # one concrete dtype for the target and the engine
         if not isinstance(target, Target):

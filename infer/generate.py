@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default=None, help="trained head folder (head methods)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help=f"target dtype; {AUTO_DECODING_HELP} (default: %(default)s)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: %(default)s, cuda if available)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -237,12 +237,20 @@ def check_device(device) -> None:
         raise TargetError(f"device {device!r}: {why}; use --device cpu (or auto)")
 
 
+def resolve_device(name: str | torch.device) -> str | torch.device:
+    """``auto``: cuda where a GPU is visible, else cpu; any other device is checked (``check_device``)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(name)
+    return name
+
+
 def load_target(name_or_path=None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Target:
     """Load a frozen target model + tokenizer from any supported name; ``dtype`` a torch dtype
     or a name (``auto``: see ``specdec.infer.dtypes.dtype_name``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_device(device)
+    device = resolve_device(device)
     dtype = torch_dtype(dtype, device)
     name, where, gguf = resolve_target(name_or_path)
     kwargs = {"gguf_file": gguf} if gguf else {}

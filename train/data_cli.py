@@ -60,14 +60,9 @@ def _data_paths(names: list[str]) -> list[str]:
 
 def _load_target(args, name: str | None = None, dtype: str | None = None):
     """The target --target / --dtype / --device name (or ``name`` / ``dtype`` in their place)."""
-    import torch
-
     from specdec.infer.target import load_target
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load_target(name or args.target, dtype=dtype or args.dtype, device=device)
+    return load_target(name or args.target, dtype=dtype or args.dtype, device=args.device)
 
 
 # ----------------------------------------------------------------------------- regenerate

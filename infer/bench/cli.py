@@ -89,17 +89,13 @@ def main(argv: list[str] | None = None) -> int:
 def run(args):
     from dataclasses import asdict
 
-    import torch
-
     from specdec.infer.bench import report, specbench
     from specdec.infer.generate import parse_budget, parse_opts
-    from specdec.infer.target import load_target
+    from specdec.infer.target import load_target, resolve_device
 
     if args.max_new_tokens < 1:
         raise specbench.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(args.device)
     methods = specbench.parse_methods(args.methods)
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     questions = specbench.load_questions(args.questions, cats, args.limit)

@@ -178,14 +178,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def resolve_method(args) -> tuple[str, str | None]:
     from specdec.infer.drafters import method_for_head
 
@@ -212,7 +204,7 @@ def main(argv=None) -> int:
         print(f"specdec-serve: --prefix-cache-mb must be >= 0 (0: off), got {args.prefix_cache_mb}", file=sys.stderr)
         return 2
     try:
-        app = build_app(args.target, method, head, dtype=args.dtype, device=_device(args.device), max_batch=args.max_batch,
+        app = build_app(args.target, method, head, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                         max_len=args.max_len, policy=args.spec_policy, spec_nodes=nodes, spec_depth=args.spec_depth,
                         spec_topk=args.spec_topk, fixed_nodes=args.spec_budget,
                         disable_batch_size=args.spec_disable_batch_size, cost_profile=args.cost_profile,

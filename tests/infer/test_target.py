@@ -4,7 +4,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.infer.target import TargetError, load_target, resolve_target
+from specdec.infer.target import TargetError, load_target, resolve_device, resolve_target
+
+
+def test_auto_device_is_cuda_only_where_a_gpu_is_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(TargetError, match="use --device cpu"):
+        resolve_device("cuda:1")
+    with pytest.raises(TargetError, match="unknown device 'gpu'"):
+        resolve_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
 
 
 def test_tiny_target_from_a_folder(tiny_target_dir):
