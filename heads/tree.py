@@ -276,7 +276,9 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
     probability than this. The nodes of one more level add at most that mass in expected
     accepted tokens (drafts are calibrated; the real gain is smaller), while the level costs a
     full draft pass: on a CPU ~3 ms of a ~40 ms step (EagleDrafter's CPU default: 0.25). The
-    level runs for the whole batch, so it stops only when no row wants it.
+    level runs for the whole batch until no row wants it, but a row that stopped gets none of
+    its nodes (invalid, at the end of the row): a row's tree does not depend on its batch, so a
+    seeded sampled request draws the same tokens alone or batched.
     ancestors=False: the frontiers carry no ancestor masks (a step that tracks its own saves their
     upkeep, a few ops a level).
     """
@@ -294,6 +296,7 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
     front_idx = torch.zeros(B, 1, dtype=torch.long, device=dev)  # [B, F] candidate indices
     parent_slot = torch.full((B, 1), -1, dtype=torch.long, device=dev)
     n = 1  # candidates created so far
+    stopped = torch.zeros(B, 1, dtype=torch.bool, device=dev)  # rows past their own last level
     for depth in range(budget.max_depth):
         frontier = Frontier(depth=depth, tokens=tokens.gather(1, front_idx), node_index=front_idx,
                             parent_slot=parent_slot, ancestors=None if anc is None else anc[rows, front_idx],
@@ -304,6 +307,8 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
             raise ValueError(f"topk={k} exceeds the draft vocabulary ({V})")
         top_lp, top_id = logp.topk(k, dim=-1)                # [B, F, k]
         child_cum = (cum.gather(1, front_idx)[:, :, None] + top_lp).reshape(B, F * k)
+        if min_frontier_mass > 0:  # -inf: never kept by the rerank below
+            child_cum = child_cum.masked_fill(stopped, float("-inf"))
         child_tok = top_id.reshape(B, F * k)
         if token_map is not None:
             child_tok = token_map[child_tok]
@@ -318,8 +323,10 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
         best = child_cum.sort(dim=1, descending=True, stable=True)
         order = best.indices[:, :k]                                  # [B, k]
         front_idx, parent_slot = new.gather(1, order), order // k
-        if min_frontier_mass > 0 and bool((best.values[:, :k].exp().sum(1) < min_frontier_mass).all()):
-            break
+        if min_frontier_mass > 0:
+            stopped |= best.values[:, :k].exp().sum(1, keepdim=True) < min_frontier_mass
+            if bool(stopped.all()):
+                break
 
     # Rerank every candidate and keep the best max_nodes; sorting the kept indices restores a
     # topological order because parents were always created before their children.
@@ -328,13 +335,13 @@ def expand_dynamic_tree(step: StepFn, roots: Tensor, budget: TreeBudget,
     kept = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), best.sort(dim=1).values], 1)
     remap = torch.full((B, C), -1, dtype=torch.long, device=dev)  # old index -> new index
     remap[rows, kept] = torch.arange(keep + 1, device=dev).expand(B, -1)
-    old_par = parents.gather(1, kept)
-    new_par = remap.gather(1, old_par.clamp(min=0))
+    kept_cum = cum.gather(1, kept)
+    valid = kept_cum > float("-inf")  # a stopped row's later nodes: padding, children of the root
+    new_par = remap.gather(1, parents.gather(1, kept).clamp(min=0)).masked_fill(~valid, 0)
     new_par[:, 0] = -1
     assert (new_par[:, 1:] >= 0).all(), "rerank dropped an ancestor of a kept node"
-    return DraftTree(tokens=tokens.gather(1, kept), parents=new_par,
-                     valid=torch.ones(B, keep + 1, dtype=torch.bool, device=dev),
-                     draft_probs=None, scores=cum.gather(1, kept).exp())
+    return DraftTree(tokens=tokens.gather(1, kept), parents=new_par, valid=valid,
+                     draft_probs=None, scores=kept_cum.exp())
 
 
 # ----------------------------------------------------------------------------------------------

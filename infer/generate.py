@@ -26,11 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help=f"target dtype; {AUTO_DECODING_HELP} (default: %(default)s)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: %(default)s, cuda if available)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy, identical to plain decoding; > 0: sampled, lossless rejection sampling "
+                        "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1: off (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens, 0: off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed, method and prompts give the same text")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,

@@ -193,6 +193,27 @@ def test_dynamic_tree_stops_growing_when_the_frontier_promises_little():
     assert calls == [0, 1, 2, 3]                                        # a sure chain is grown fully
 
 
+def test_a_rows_dynamic_tree_does_not_depend_on_its_batch():
+    """A level grown for another row adds nothing to a row that stopped: its tree alone and batched
+    has the same valid nodes in the same places (a seeded request then samples the same tokens)."""
+    V, budget = 32, TreeBudget(max_nodes=8, max_depth=4, topk=2)
+    table = torch.full((V, V), -30.0)
+    table[:16, :16] = 0.0                                               # ids < 16: 16 equal children
+    table[torch.arange(16, V), torch.arange(16, V) % 15 + 17] = 10.0    # ids >= 16: one sure child
+    table = table.log_softmax(-1)
+
+    def grow(roots):
+        return expand_dynamic_tree(lambda f: table[f.tokens], torch.tensor(roots), budget, min_frontier_mass=0.15)
+
+    alone, batched = grow([1]), grow([1, 20])
+    assert alone.num_nodes == 3 and int(batched.masks()[0][1].max()) == 4      # the sure row grew on
+    n = alone.num_nodes
+    assert batched.valid[0].tolist() == [True] * n + [False] * (batched.num_nodes - n)
+    assert torch.equal(batched.tokens[0, :n], alone.tokens[0]) and torch.equal(batched.parents[0, :n], alone.parents[0])
+    assert (batched.parents[0, n:] == 0).all() and (batched.scores[0, n:] == 0).all()
+    batched.validate(vocab_size=V)
+
+
 def test_validate_rejects_bad_trees():
     ok = dict(tokens=torch.tensor([[1, 2, 3]]), valid=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="not an earlier node"):
