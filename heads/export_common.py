@@ -7,6 +7,8 @@ engine's config.json, then calls `write_export` here, which writes
     config.json            the engine's config (field names exactly as its config class reads them)
     <weights>.safetensors  the engine's tensor names (metadata {"format": "pt"}, as transformers wants)
     specdec.json           provenance: head type + config, target identity, verifier, usage template
+    tokenizer.json, tokenizer_config.json   the target's tokenizer, for engines that read it from
+                           the draft folder (TGI's router: `tokenizer=True`)
     README.md              the model card (`render_model_card`; re-rendered by specdec-export once
                            eval.json / recipe.resolved.yaml are copied in, and by specdec-push)
 
@@ -119,11 +121,11 @@ def write_json(path: Path, obj) -> None:
 
 def write_export(out_dir, head, target, fmt: str, config: dict, tensors: dict[str, Tensor], *,
                  usage: str, weights_file: str = "model.safetensors",
-                 notes: list[str] | tuple[str, ...] = ()) -> Path:
+                 notes: list[str] | tuple[str, ...] = (), tokenizer: bool = False) -> Path:
     """Write one engine-format folder (see the module docstring); returns it.
 
     `usage` is a shell snippet using the placeholders <draft> and <verifier>; `notes` are
-    sentences for the model card (engine caveats)."""
+    sentences for the model card (engine caveats); `tokenizer` adds the target's tokenizer."""
     from .base import save_weights
 
     out = Path(out_dir)
@@ -132,6 +134,8 @@ def write_export(out_dir, head, target, fmt: str, config: dict, tensors: dict[st
     plain = {k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}
     save_weights(plain, out / weights_file, metadata={"format": "pt"})
     write_json(out / "config.json", config)
+    if tokenizer:
+        write_tokenizer(out, target)
     verifier = verifier_ref(target, head.target_identity)
     original = getattr(target, "quantised_from", None)
     if original and original[0] == verifier:  # the engine's verifier is not the very weights trained on
@@ -145,6 +149,27 @@ def write_export(out_dir, head, target, fmt: str, config: dict, tensors: dict[st
         "dtype": dtype_name(plain), "usage": usage, "notes": list(notes)})
     write_card(out)
     return out
+
+
+def write_tokenizer(out: Path, target) -> None:
+    """The target's tokenizer as tokenizer.json plus a tokenizer_config.json naming
+    PreTrainedTokenizerFast with the chat template inline: the one layout transformers 4 and 5
+    both load. (transformers 5's save_pretrained names its own TokenizersBackend class, which the
+    transformers 4 inside TGI cannot import, and moves the template to chat_template.jinja, which
+    TGI's router never reads: its chat endpoint then has no template.)"""
+    tok = getattr(target, "tokenizer", None)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise ExportError("this format carries the target's tokenizer, but the target has no fast "
+                          "(tokenizer.json) tokenizer to write")
+    backend.save(str(out / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if getattr(tok, name, None) is not None:
+            cfg[name] = str(getattr(tok, name))
+    if getattr(tok, "chat_template", None):
+        cfg["chat_template"] = tok.chat_template
+    write_json(out / "tokenizer_config.json", cfg)
 
 
 def write_card(folder, location: str | None = None) -> Path:

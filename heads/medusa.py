@@ -196,8 +196,11 @@ class MedusaHead(DraftHead):
                   "torch_dtype": ex.dtype_name(tensors)}
         usage = f"text-generation-launcher --model-id <draft> --speculate {c.num_heads}"
         notes = ["TGI loads the verifier from base_model_name_or_path in config.json."]
+        # TGI's router reads the tokenizer and the chat template from --model-id, this folder
+        # (router/src/server.rs): without them /v1/chat/completions has no template.
         return ex.write_export(out_dir, self, target, "tgi", config, tensors, usage=usage,
-                               weights_file="medusa_lm_head.safetensors", notes=notes)
+                               weights_file="medusa_lm_head.safetensors", notes=notes,
+                               tokenizer=True)
 
 
 class MedusaDrafter(LastHiddenDrafter):

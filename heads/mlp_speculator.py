@@ -208,7 +208,11 @@ class MLPSpeculatorHead(DraftHead):
             notes = ["vLLM's V1 engine lists MLPSpeculatorPreTrainedModel as disabled "
                      "(model_executor/models/registry.py): serve it with a vLLM release that still "
                      "runs the V0 engine."]
-        return ex.write_export(out_dir, self, target, fmt, config, tensors, usage=usage, notes=notes)
+        # TGI's router loads the tokenizer from --model-id, this folder (router/src/server.rs); its
+        # fallback to base_model_name_or_path only covers configs without a model_type, so an
+        # MLPSpeculator folder without a tokenizer stops TGI at startup.
+        return ex.write_export(out_dir, self, target, fmt, config, tensors, usage=usage, notes=notes,
+                               tokenizer=fmt == "tgi")
 
     def _export_vllm(self, out_dir, target):
         return self._write_ibm_layout(out_dir, target, "vllm")

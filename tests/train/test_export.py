@@ -285,6 +285,30 @@ def test_mlp_speculator_layout(tie, tiny_target, tmp_path):
         scaled.export("tgi", tmp_path / "s", tiny_target)
 
 
+@pytest.mark.parametrize("head_type", ["medusa", "mlp_speculator"])
+def test_tgi_exports_carry_the_tokenizer(head_type, tiny_target, tmp_path):
+    """TGI's router loads the tokenizer and the chat template from --model-id, the draft folder
+    (router/src/server.rs: AutoTokenizer.from_pretrained(model_id), tokenizer_config.json's
+    chat_template); its fallback to base_model_name_or_path needs a config without model_type, so
+    an MLPSpeculator folder without them stops TGI at startup, a Medusa one serves no chat."""
+    from transformers import AutoTokenizer
+
+    head = build(head_type, tiny_target, **({"tie_weights": True} if head_type == "mlp_speculator" else {}))
+    out = head.export("tgi", tmp_path / "t", tiny_target)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    # a class transformers 4 (TGI's) imports too, and the template inline, where TGI reads it
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["chat_template"] == tiny_target.tokenizer.chat_template
+    assert cfg["eos_token"] == tiny_target.tokenizer.eos_token
+    assert not (out / "chat_template.jinja").exists()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    text = "Speculative decoding, verified: é!"
+    assert tok(text)["input_ids"] == tiny_target.tokenizer(text)["input_ids"]
+    assert "`tokenizer.json`" in (out / "README.md").read_text()
+    vllm = head.export("vllm", tmp_path / "v", tiny_target)
+    assert not (vllm / "tokenizer.json").exists()   # vLLM takes the verifier's
+
+
 # --------------------------------------------------------------------------- ReDrafter
 @pytest.mark.parametrize("exit_dim", [0, 48])
 def test_redrafter_trtllm_layout_round_trip(exit_dim, tiny_target, tmp_path):
