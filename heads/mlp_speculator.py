@@ -220,6 +220,13 @@ class MLPSpeculatorHead(DraftHead):
     def _export_tgi(self, out_dir, target):
         from . import export_common as ex
 
+        if not self.config.tie_weights:
+            # TGI >= 2.3 (layers/mlp.py MLPSpeculatorModel.__init__) runs `self.emb.weight *= ...`
+            # on its nn.ModuleList of stage embeddings: AttributeError, so it loads no untied head.
+            raise ex.ExportError("TGI's MLPSpeculator loads only heads trained with tie_weights=True "
+                                 "(its untied loader fails with AttributeError: 'ModuleList' object "
+                                 "has no attribute 'weight'): export this head as 'vllm', or train "
+                                 "with tie_weights: true for TGI")
         if self.config.scale_input:
             raise ex.ExportError("TGI's MLPSpeculator never applies scale_input (layers/mlp.py), "
                                  "so this head (scale_input=True) would draft from unscaled states: "
