@@ -201,7 +201,12 @@ class MLPSpeculatorHead(DraftHead):
                   "torch_dtype": ex.dtype_name(tensors)}
         if fmt == "tgi":
             usage = f"text-generation-launcher --model-id <draft> --speculate {c.n_predict}"
-            notes = ["TGI loads the verifier from base_model_name_or_path in config.json."]
+            # TGI weighs the stages by --speculate, not n_predict (layers/mlp.py state_weight)
+            notes = ["TGI loads the verifier from base_model_name_or_path in config.json.",
+                     f"Keep --speculate at {c.n_predict}: TGI weighs each stage's state by it."]
+            if c.scale_input:   # layers/mlp.py simple_norm, added with tied weights in TGI 2.3
+                notes.append("Needs TGI >= 2.3: earlier releases ignore scale_input and draft "
+                             "from unscaled hidden states.")
         else:
             usage = ("vllm serve <verifier> --speculative-config \\\n"
                      f"  '{{\"model\": \"<draft>\", \"num_speculative_tokens\": {c.n_predict}}}'")
@@ -227,10 +232,6 @@ class MLPSpeculatorHead(DraftHead):
                                  "(its untied loader fails with AttributeError: 'ModuleList' object "
                                  "has no attribute 'weight'): export this head as 'vllm', or train "
                                  "with tie_weights: true for TGI")
-        if self.config.scale_input:
-            raise ex.ExportError("TGI's MLPSpeculator never applies scale_input (layers/mlp.py), "
-                                 "so this head (scale_input=True) would draft from unscaled states: "
-                                 "export it as 'vllm' instead")
         return self._write_ibm_layout(out_dir, target, "tgi")
 
 

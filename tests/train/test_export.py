@@ -285,9 +285,14 @@ def test_mlp_speculator_layout(tie, tiny_target, tmp_path):
         with pytest.raises(ExportError, match="tie_weights=True"):
             head.export("tgi", tmp_path / "tgi", tiny_target)
         assert not (tmp_path / "tgi").exists()
+    # TGI >= 2.3 applies scale_input (layers/mlp.py MLPSpeculatorHead.forward: simple_norm, x/rms/sqrt2)
     scaled = build("mlp_speculator", tiny_target, scale_input=True, tie_weights=True)
-    with pytest.raises(ExportError, match="scale_input"):
-        scaled.export("tgi", tmp_path / "s", tiny_target)
+    out = scaled.export("tgi", tmp_path / "s", tiny_target)
+    assert config(out)["scale_input"] is True
+    assert "Needs TGI >= 2.3" in (out / "README.md").read_text()
+    x = torch.randn(5, H)
+    tgi_norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * 2 ** -0.5
+    assert torch.allclose(scaled.initial_state(x), tgi_norm, atol=1e-6)
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "mlp_speculator"])
