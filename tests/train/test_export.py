@@ -409,6 +409,31 @@ def test_cli_names_the_target_problem(head_dir, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_cli_names_the_head_folder_to_export(head_dir, tiny_target_dir, tmp_path, capsys):
+    """A run's output.dir, one of its checkpoints or an export is not a head folder: the error names
+    the folder to export instead of a bare 'no config.json' / 'no head_type'."""
+    import shutil
+
+    run = head_dir.parent   # <output.dir>/final, as specdec-train writes it
+    ckpt = run / "checkpoints" / "step-00000040"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    export = tmp_path / "exp"
+    assert main([str(head_dir), "--format", "vllm", "--out", str(export),
+                 "--target", str(tiny_target_dir)]) == 0
+    capsys.readouterr()
+    cases = {run: f"export the trained head, {run / 'final'}",
+             ckpt: f"checkpoint, not a head folder: export the trained head, {run / 'final'}",
+             export: "already an engine export", tmp_path / "missing": "does not exist"}
+    for src, says in cases.items():
+        assert main([str(src), "--format", "vllm", "--out", str(tmp_path / "x")]) == 1
+        assert says in capsys.readouterr().err
+    shutil.rmtree(run / "final")   # interrupted: no final/ yet
+    assert main([str(run), "--format", "vllm", "--out", str(tmp_path / "x")]) == 1
+    assert "run the same specdec-train command again" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_cli_is_atomic(head_dir, tiny_target_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "exp"
     args = [str(head_dir), "--format", "sglang", "--out", str(out), "--target", str(tiny_target_dir)]

@@ -73,6 +73,7 @@ def export_head(head_dir, fmt: str, out, *, target=None, verifier: str | None = 
     import torch
 
     head_dir, out = Path(head_dir), Path(out)
+    check_head_dir(head_dir)
     cfg = read_head_config(head_dir)
     head_type = cfg["head_type"]
     if fmt not in ENGINE_FORMATS:
@@ -102,6 +103,30 @@ def export_head(head_dir, fmt: str, out, *, target=None, verifier: str | None = 
     finally:
         tgt.export_verifier = previous
     return out
+
+
+def check_head_dir(head_dir: Path) -> None:
+    """Raise ExportError naming the folder to export when `head_dir` is a training run, one of its
+    checkpoints or an export rather than a head folder (users pass all three for `final/`)."""
+    from specdec.heads.export_common import PROVENANCE_FILE
+
+    if not head_dir.is_dir():
+        raise ExportError(f"{head_dir} does not exist (or is not a folder): give the head folder, "
+                          "a specdec-train run's final/")
+    if (head_dir / PROVENANCE_FILE).is_file():
+        raise ExportError(f"{head_dir} is already an engine export ({PROVENANCE_FILE}): export the "
+                          "head folder it was written from (a specdec-train run's final/)")
+    if (head_dir / "config.json").is_file():
+        return
+    run = head_dir.parent.parent if (head_dir / "trainer_state.json").is_file() else head_dir
+    if (run / "final" / "config.json").is_file():
+        raise ExportError(f"{head_dir} is a training run{' checkpoint' if run != head_dir else ''}, "
+                          f"not a head folder: export the trained head, {run / 'final'}")
+    if run != head_dir or (run / "checkpoints").is_dir():
+        raise ExportError(f"{head_dir} is a training {'checkpoint' if run != head_dir else 'run'} "
+                          f"without a final head yet ({run / 'final'} is written when training "
+                          "ends): run the same specdec-train command again to finish it, then "
+                          "export final/")
 
 
 def copy_records(head_dir: Path, out: Path) -> list[str]:
