@@ -367,6 +367,13 @@ class Eagle3Head(EagleFamily):
             raise ExportError(f"{engine} fuses exactly 3 target layers (fc reads 3 x hidden), but "
                               f"this head reads {len(self.config.aux_layers)} "
                               f"(aux_layers={self.config.aux_layers}): export it as {instead!r}")
+        if 0 in self.config.aux_layers:
+            # Both targets capture `hidden_states + residual` before a layer (vLLM llama.py
+            # LlamaModel.forward, SGLang llama.py layers_to_capture); before layer 0 the residual
+            # is None, so the target's first forward fails with a TypeError.
+            raise ExportError(f"{engine}'s target cannot capture aux layer 0 (the embeddings: "
+                              f"its residual stream starts at layer 1), which this head reads "
+                              f"(aux_layers={self.config.aux_layers}): retrain with ids >= 1")
 
 
 HEAD = Eagle3Head

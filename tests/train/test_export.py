@@ -138,6 +138,11 @@ def test_eagle3_refuses_what_an_engine_cannot_run(tiny_target, tmp_path):
     out = two.export("speculators", tmp_path / "sp", tiny_target)
     assert config(out)["eagle_aux_hidden_state_layer_ids"] == [1, 3]
     assert weights(out)["fc.weight"].shape == (64, 128)
+    # vLLM / SGLang capture hidden_states + residual before a layer: None before layer 0
+    embeds = build("eagle3", tiny_target, aux_layers=[0, 2, 3])
+    for fmt in ("vllm", "sglang"):
+        with pytest.raises(ExportError, match="aux layer 0"):
+            embeds.export(fmt, tmp_path / f"e{fmt}", tiny_target)
 
 
 def read_eagle3(folder: Path):
