@@ -9,7 +9,7 @@ EPILOG = """\
 formats (the folder loads in the engine as it is; README.md in it says how):
   vllm         EAGLE-3 (speculators config), EAGLE, Medusa, MLPSpeculator
   sglang       EAGLE-3 (LlamaForCausalLMEagle3, midlayer.*), EAGLE (LlamaForCausalLMEagle)
-  tgi          Medusa (medusa_lm_head.safetensors), MLPSpeculator (MLPSpeculatorPreTrainedModel),
+  tgi          Medusa (medusa_lm_head.safetensors), tied MLPSpeculator (MLPSpeculatorPreTrainedModel),
                each with the target's tokenizer (TGI's router reads it from the draft folder)
   speculators  EAGLE-3 (same folder as vllm; loads with speculators' SpeculatorModel)
   trtllm       ReDrafter (Apple's drafter folder: TensorRT-LLM's examples/redrafter converter and
