@@ -199,6 +199,31 @@ class DraftLMHead(DraftHead):
 
         return chain_acceptance(batch, depth, self.target_lm_head.weight, predict)
 
+    # --- export (heads/export_common.py) --------------------------------------------------------
+    # The saved tensors already carry HF Llama's names: both engines load the folder as an ordinary
+    # LlamaForCausalLM draft model, and so does transformers (generate(assistant_model=...)).
+    def _hf_llama_folder(self, out_dir, target, fmt: str, usage: str):
+        from . import export_common as ex
+
+        c, tensors = self.config, self.saved_state_dict()
+        config = {**ex.llama_layer_config(c, target, tensors), "architectures": ["LlamaForCausalLM"],
+                  "hidden_size": c.draft_hidden_size, "num_hidden_layers": c.num_layers,
+                  "tie_word_embeddings": c.tie_word_embeddings}
+        return ex.write_export(out_dir, self, target, fmt, config, tensors, usage=usage, tokenizer=True)
+
+    def _export_vllm(self, out_dir, target):
+        """vLLM's classic draft model (speculative_config method "draft_model")."""
+        usage = ("vllm serve <verifier> --speculative-config \\\n"
+                 "  '{\"model\": \"<draft>\", \"method\": \"draft_model\", \"num_speculative_tokens\": 4}'")
+        return self._hf_llama_folder(out_dir, target, "vllm", usage)
+
+    def _export_sglang(self, out_dir, target):
+        """SGLang's standalone draft model (--speculative-algorithm STANDALONE)."""
+        usage = ("python -m sglang.launch_server --model-path <verifier> \\\n"
+                 "  --speculative-algorithm STANDALONE --speculative-draft-model-path <draft> \\\n"
+                 "  --speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5")
+        return self._hf_llama_folder(out_dir, target, "sglang", usage)
+
     # --- drafting ---------------------------------------------------------------------------
     def new_drafter(self, target=None, **opts) -> "DraftLMDrafter":
         check_drafter_opts(opts, ["tree"], self.head_type())

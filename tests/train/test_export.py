@@ -17,7 +17,8 @@ from specdec.train.export.cli import main
 
 # The issue's matrix: which engine formats each head type must be written in.
 REQUIRED = {"eagle3": ["sglang", "speculators", "vllm"], "eagle": ["sglang", "vllm"],
-            "medusa": ["tgi", "vllm"], "mlp_speculator": ["tgi", "vllm"], "redrafter": ["trtllm"]}
+            "medusa": ["tgi", "vllm"], "mlp_speculator": ["tgi", "vllm"], "redrafter": ["trtllm"],
+            "draft_lm": ["sglang", "vllm"]}
 
 
 def build(head_type: str, target, **fields):
@@ -322,6 +323,32 @@ def test_tgi_exports_carry_the_tokenizer(head_type, tiny_target, tmp_path):
     assert "`tokenizer.json`" in (out / "README.md").read_text()
     vllm = head.export("vllm", tmp_path / "v", tiny_target)
     assert not (vllm / "tokenizer.json").exists()   # vLLM takes the verifier's
+
+
+# --------------------------------------------------------------------------- draft LM
+@pytest.mark.parametrize("fields", [{}, {"draft_hidden_size": 48, "num_layers": 1, "tie_word_embeddings": True}])
+def test_draft_lm_is_an_hf_llama_both_engines_load(fields, tiny_target, tmp_path):
+    """vLLM (method draft_model) and SGLang (STANDALONE) load a draft model as an ordinary HF causal
+    LM folder: transformers must load ours and compute the head's own logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    head = build("draft_lm", tiny_target, **fields).eval()
+    ids = torch.randint(0, tiny_target.vocab_size, (2, 11))
+    with torch.no_grad():
+        ours = head.draft_hidden({"input_ids": ids}) @ head.lm_weight().T
+    for fmt in ("vllm", "sglang"):
+        out = head.export(fmt, tmp_path / fmt, tiny_target)
+        cfg = config(out)
+        assert cfg["architectures"] == ["LlamaForCausalLM"]
+        assert cfg["hidden_size"] == head.config.draft_hidden_size
+        assert cfg["num_hidden_layers"] == head.config.num_layers
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        with torch.no_grad():
+            theirs = model(ids).logits
+        assert torch.allclose(theirs, ours, atol=1e-4), (theirs - ours).abs().max()
+        assert AutoTokenizer.from_pretrained(str(out))("a b")["input_ids"] == tiny_target.tokenizer("a b")["input_ids"]
+    assert '"method": "draft_model"' in (tmp_path / "vllm" / "README.md").read_text()
+    assert "STANDALONE" in (tmp_path / "sglang" / "README.md").read_text()
 
 
 # --------------------------------------------------------------------------- ReDrafter

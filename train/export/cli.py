@@ -7,8 +7,9 @@ import sys
 
 EPILOG = """\
 formats (the folder loads in the engine as it is; README.md in it says how):
-  vllm         EAGLE-3 (speculators config), EAGLE, Medusa, MLPSpeculator
-  sglang       EAGLE-3 (LlamaForCausalLMEagle3, midlayer.*), EAGLE (LlamaForCausalLMEagle)
+  vllm         EAGLE-3 (speculators config), EAGLE, Medusa, MLPSpeculator, draft LM (method draft_model)
+  sglang       EAGLE-3 (LlamaForCausalLMEagle3, midlayer.*), EAGLE (LlamaForCausalLMEagle),
+               draft LM (STANDALONE); a draft LM folder is an HF LlamaForCausalLM with the tokenizer
   tgi          Medusa (medusa_lm_head.safetensors), tied MLPSpeculator (MLPSpeculatorPreTrainedModel),
                each with the target's tokenizer (TGI's router reads it from the draft folder)
   speculators  EAGLE-3 (same folder as vllm; loads with speculators' SpeculatorModel)
