@@ -7,6 +7,7 @@ logprobs, tools, penalties) are refused rather than silently ignored.
 """
 from __future__ import annotations
 
+import re
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -80,8 +81,23 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
                type(None): "null"}
 
 
-def _is_type_tag(part) -> bool:  # pydantic names union branches in the error location
-    return isinstance(part, str) and part.startswith(("int", "float", "str", "bool", "list[", "dict[", "literal["))
+# pydantic names union branches in the error location ("str", "list[int]", "list[_TextPart]");
+# matched whole, so that fields named like a type ("stream", "stream_options") are not taken for one
+_TYPE_TAG = re.compile(r"(int|float|str|bool|none)|(list|dict|literal)\[.*\]")
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and _TYPE_TAG.fullmatch(part) is not None
+
+
+def _value_at(data, path):
+    """The client's value at an error location (None where the path leaves the body)."""
+    for key in path:
+        try:
+            data = data[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
 
 
 def parse_request(kind: type[BaseModel], data) -> BaseModel:
@@ -99,10 +115,12 @@ def parse_request(kind: type[BaseModel], data) -> BaseModel:
         if first["type"] == "missing":
             raise APIError(400, f"missing required field {where}", param=param, code="missing_required_parameter")
         # A union fails once per branch: list the accepted types instead of the first branch's message.
-        tags = [next(p for p in e["loc"] if _is_type_tag(p)) for e in errors
-                if e["loc"][:1] == first["loc"][:1] and any(_is_type_tag(p) for p in e["loc"])]
+        at = next((i for i, p in enumerate(first["loc"]) if _is_type_tag(p)), None)
+        union = first["loc"][:at]
+        tags = [e["loc"][at] for e in errors if at is not None and len(e["loc"]) > at
+                and e["loc"][:at] == union and _is_type_tag(e["loc"][at])]
         if len(tags) > 1:
-            got = _JSON_TYPES.get(type(data.get(path[0])) if path else None, "value")
+            got = _JSON_TYPES.get(type(_value_at(data, union)), "value")
             msg = f"expected {' or '.join(dict.fromkeys(tags))}, got {got}"
         else:
             msg = first["msg"]

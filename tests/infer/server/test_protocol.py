@@ -1,0 +1,29 @@
+"""Request validation of the OpenAI wire format (infer/server/protocol.py), without a server."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.infer.server.protocol import APIError, ChatRequest, CompletionRequest, parse_request
+
+
+def _refused(kind, body) -> APIError:
+    with pytest.raises(APIError) as err:
+        parse_request(kind, {"model": "m", **body})
+    assert err.value.status == 400
+    return err.value
+
+
+@pytest.mark.parametrize("field,value", [("stream", "yes"), ("stream_options", 5)])
+def test_a_field_named_like_a_type_is_still_named(field, value):
+    # "stream" starts like the union tag "str": it was dropped from the location ("invalid field (body)")
+    err = _refused(CompletionRequest, {"prompt": "x", field: value})
+    assert err.param == field and err.message.startswith(f"invalid field {field}:")
+
+
+def test_a_union_error_says_the_type_of_the_value_that_failed():
+    err = _refused(ChatRequest, {"messages": [{"role": "user", "content": 5}]})
+    assert err.param == "messages"
+    assert "messages.0.content" in err.message and err.message.endswith("got integer")  # not the list's "array"
+    err = _refused(CompletionRequest, {"prompt": 5})
+    assert err.param == "prompt" and err.message.endswith("got integer")
+
