@@ -167,8 +167,9 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServerConfig, sampling_p
         # the deprecated max_tokens still works; errors name whichever field the client sent
         max_param = "max_tokens" if req.max_completion_tokens is None and req.max_tokens is not None \
             else "max_completion_tokens"
+        messages = chat_text(req.messages)  # its own errors are not the template's
         try:
-            text = tokenizer.apply_chat_template(chat_text(req.messages), tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # jinja templates raise on role orders they do not support
             raise APIError(400, f"the chat template rejected these messages: {err}", param="messages")
         ids = await asyncio.to_thread(lambda: tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -57,15 +57,17 @@ class CompletionRequest(_Common):
     suffix: StrictStr | None = None
 
 
-class _TextPart(BaseModel):
-    type: Literal["text"]
-    text: StrictStr
+class ContentPart(BaseModel):
+    # Any type passes here so that an image part gets "only text" (chat_text), not a schema error.
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[_TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
 
 
 class ChatRequest(_Common):
@@ -81,7 +83,7 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
                type(None): "null"}
 
 
-# pydantic names union branches in the error location ("str", "list[int]", "list[_TextPart]");
+# pydantic names union branches in the error location ("str", "list[int]", "list[ContentPart]");
 # matched whole, so that fields named like a type ("stream", "stream_options") are not taken for one
 _TYPE_TAG = re.compile(r"(int|float|str|bool|none)|(list|dict|literal)\[.*\]")
 
@@ -184,10 +186,21 @@ def check_max_tokens(value: int | None, param: str, prompt_len: int, max_len: in
     return value
 
 
+def _part_text(i: int, j: int, part: ContentPart) -> str:
+    where = f"messages.{i}.content.{j}"
+    if part.type != "text":
+        raise APIError(400, f"{where}: only text content parts are supported, got type {part.type!r}",
+                       param="messages", code="unsupported_content_type")
+    if part.text is None:
+        raise APIError(400, f"missing required field {where}.text", param="messages",
+                       code="missing_required_parameter")
+    return part.text
+
+
 def chat_text(messages: list[ChatMessage]) -> list[dict]:
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content if isinstance(m.content, str) or m.content is None else \
-            "".join(p.text for p in m.content)
+            "".join(_part_text(i, j, p) for j, p in enumerate(m.content))
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return out

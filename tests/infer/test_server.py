@@ -169,6 +169,10 @@ def test_bad_chat_input(server):
                         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs")]:
         err = _error(httpx.post(base, json={"model": MODEL, **body}, headers=auth()), 400)
         assert err["param"] == param
+    image = [{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]
+    err = _error(httpx.post(base, json={"model": MODEL, "messages": [{"role": "user", "content": image}]},
+                            headers=auth()), 400)
+    assert err["param"] == "messages" and err["message"].startswith("messages.0.content.0: only text")
 
 
 def test_api_key_is_required_except_for_health(server):

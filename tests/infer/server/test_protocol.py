@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.infer.server.protocol import APIError, ChatRequest, CompletionRequest, parse_request
+from specdec.infer.server.protocol import APIError, ChatRequest, CompletionRequest, chat_text, parse_request
 
 
 def _refused(kind, body) -> APIError:
@@ -27,3 +27,13 @@ def test_a_union_error_says_the_type_of_the_value_that_failed():
     err = _refused(CompletionRequest, {"prompt": 5})
     assert err.param == "prompt" and err.message.endswith("got integer")
 
+
+def test_non_text_content_parts_are_refused_by_name():
+    req = parse_request(ChatRequest, {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    with pytest.raises(APIError) as err:
+        chat_text(req.messages)
+    assert err.value.param == "messages" and "messages.1.content.0" in err.value.message
+    assert "only text" in err.value.message and "image_url" in err.value.message
+    assert chat_text(req.messages[:1]) == [{"role": "user", "content": "ab"}]
