@@ -136,7 +136,8 @@ def check_unsupported(req) -> None:
     checks = [("presence_penalty", req.presence_penalty not in (None, 0)),
               ("frequency_penalty", req.frequency_penalty not in (None, 0)),
               ("logit_bias", bool(req.logit_bias)),
-              ("logprobs", bool(req.logprobs))]
+              # completions' logprobs=0 still asks for the sampled tokens' own (chat's is a boolean)
+              ("logprobs", req.logprobs is not None and req.logprobs is not False)]
     if isinstance(req, CompletionRequest):
         checks += [("echo", bool(req.echo)), ("best_of", req.best_of not in (None, 1)),
                    ("suffix", bool(req.suffix))]

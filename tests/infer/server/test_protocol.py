@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.infer.server.protocol import APIError, ChatRequest, CompletionRequest, chat_text, parse_request
+from specdec.infer.server.protocol import (APIError, ChatRequest, CompletionRequest, chat_text,
+                                           check_unsupported, parse_request)
 
 
 def _refused(kind, body) -> APIError:
@@ -37,3 +38,17 @@ def test_non_text_content_parts_are_refused_by_name():
     assert err.value.param == "messages" and "messages.1.content.0" in err.value.message
     assert "only text" in err.value.message and "image_url" in err.value.message
     assert chat_text(req.messages[:1]) == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("kind,value,refused", [(CompletionRequest, 0, True), (CompletionRequest, 2, True),
+                                                (CompletionRequest, None, False), (ChatRequest, True, True),
+                                                (ChatRequest, False, False)])
+def test_any_logprobs_request_is_refused_not_ignored(kind, value, refused):
+    body = {"prompt": "x"} if kind is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    req = parse_request(kind, {"model": "m", **body, "logprobs": value})
+    if not refused:
+        check_unsupported(req)
+        return
+    with pytest.raises(APIError) as err:  # logprobs=0 was answered with "logprobs": null
+        check_unsupported(req)
+    assert err.value.param == "logprobs"
