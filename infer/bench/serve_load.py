@@ -152,7 +152,8 @@ def summarize_level(concurrency: int, rounds: list[tuple[list[dict], float]]) ->
              "throughput_tok_s": sum(r["tokens"] for r in ok) / wall if wall > 0 else 0.0,
              "ttft_s": percentiles([r["ttft"] for r in ok]),
              "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
-             "tau": sum(r["tokens"] for r in ok if r.get("spec")) / steps if steps else None,
+             # as the server's usage and the engine count it: accepted drafts + 1 per verification step
+             "tau": sum(s["accepted_tokens"] + s["decode_steps"] for s in spec) / steps if steps else None,
              "mean_budget": sum(s["mean_budget"] * s["decode_steps"] for s in spec) / steps if steps else None,
              # what the server's prefix cache supplied (OpenAI's usage.prompt_tokens_details), if it says
              "prompt_tokens": _total(r.get("prompt_tokens") for r in ok),

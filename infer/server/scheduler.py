@@ -52,6 +52,7 @@ class Delta:
     accepted: int = 0  # draft tokens accepted in this step
     error: str | None = None
     cached_tokens: int = 0  # on the finishing delta: prompt tokens the prefix cache supplied
+    decoded: bool = False  # a verification step made it (not the prefill's first token): counts for tau
 
 
 @dataclass
@@ -66,7 +67,7 @@ class RequestHandle:
     first_token_at: float | None = None
     tokens: int = 0
     accepted: int = 0  # draft tokens accepted over the request
-    decode_steps: int = 0  # steps that added tokens (tau = tokens / decode_steps)
+    decode_steps: int = 0  # verification steps; the prefill's first token is none (see ``speculation``)
     budget_nodes: int = 0  # sum of draft nodes chosen for it, for the mean budget
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     finished: bool = False
@@ -78,6 +79,7 @@ class RequestHandle:
             if delta.token_ids:
                 self.first_token_at = self.first_token_at or time.monotonic()
                 self.tokens += len(delta.token_ids)
+            if delta.decoded:
                 self.decode_steps += 1
                 self.accepted += delta.accepted
             self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
@@ -85,9 +87,11 @@ class RequestHandle:
             yield delta
 
     def speculation(self) -> dict:
+        """tau as the engine's ``Request.stats`` (and so ``specdec-generate``) counts it: tokens per
+        verification step, accepted drafts + 1 each, the prefill's first token left out."""
         steps = max(self.decode_steps, 1)
         return {"accepted_tokens": self.accepted, "decode_steps": self.decode_steps,
-                "tau": round(self.tokens / steps, 4) if self.decode_steps else 0.0,
+                "tau": round((self.accepted + self.decode_steps) / steps, 4) if self.decode_steps else 1.0,
                 "mean_budget": round(self.budget_nodes / steps, 3)}
 
 
@@ -329,7 +333,8 @@ class Scheduler:
                 handle.budget_nodes += used[out.request_id].max_nodes
             delta = Delta(ids, out.new_text, out.finished, out.finish_reason if out.finished else None,
                           accepted=obs.accepted.get(out.request_id, 0),
-                          cached_tokens=int(out.stats.get("cached_prompt_tokens", 0)) if out.finished else 0)
+                          cached_tokens=int(out.stats.get("cached_prompt_tokens", 0)) if out.finished else 0,
+                          decoded=out.request_id in obs.accepted)
             if out.finished:
                 self._running.pop(out.request_id)
                 self._release(out.request_id)
