@@ -203,6 +203,13 @@ def main(argv=None) -> int:
     if args.prefix_cache_mb < 0:
         print(f"specdec-serve: --prefix-cache-mb must be >= 0 (0: off), got {args.prefix_cache_mb}", file=sys.stderr)
         return 2
+    # Below 1 these refuse every request, and the client is told it sent something wrong
+    # (--default-max-tokens 0: "max_tokens must be >= 1" to a chat request that sent none).
+    for flag in ("max_queue", "default_max_tokens", "max_prompt_tokens", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"specdec-serve: --{flag.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         app = build_app(args.target, method, head, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                         max_len=args.max_len, policy=args.spec_policy, spec_nodes=nodes, spec_depth=args.spec_depth,

@@ -414,6 +414,16 @@ def test_a_negative_prefix_cache_is_refused_before_loading(capsys):
     assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--max-queue", "--default-max-tokens", "--max-prompt-tokens", "--max-body-bytes"])
+def test_limits_that_would_refuse_every_request_are_refused_before_loading(flag, capsys, monkeypatch):
+    from specdec.infer.server import cli, scheduler
+
+    started = []  # the thread that would load the target
+    monkeypatch.setattr(scheduler, "TorchThread", lambda *a, **k: started.append(1))
+    assert cli.main([flag, "0", "--method", "plain"]) == 2
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err and not started
+
+
 def test_drafter_options_reach_the_drafter(capsys):
     from specdec.infer.server.cli import main
 
