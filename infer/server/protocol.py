@@ -47,6 +47,14 @@ class _Common(BaseModel):
     frequency_penalty: Number | None = 0
     logit_bias: dict | None = None
     ignore_eos: StrictBool | None = False  # extension (vLLM), for benchmarks
+    stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
+    # vLLM's other sampling extensions: named so that they are refused (check_unsupported), not
+    # ignored as unknown fields are: a client moving from vLLM would get a different output silently
+    repetition_penalty: Number | None = 1
+    min_p: Number | None = 0
+    min_tokens: StrictInt | None = 0
+    use_beam_search: StrictBool | None = False
+    include_stop_str_in_output: StrictBool | None = False
 
 
 class CompletionRequest(_Common):
@@ -136,6 +144,11 @@ def check_unsupported(req) -> None:
     checks = [("presence_penalty", req.presence_penalty not in (None, 0)),
               ("frequency_penalty", req.frequency_penalty not in (None, 0)),
               ("logit_bias", bool(req.logit_bias)),
+              ("repetition_penalty", req.repetition_penalty not in (None, 1)),
+              ("min_p", req.min_p not in (None, 0)),
+              ("min_tokens", req.min_tokens not in (None, 0)),
+              ("use_beam_search", bool(req.use_beam_search)),
+              ("include_stop_str_in_output", bool(req.include_stop_str_in_output)),
               # completions' logprobs=0 still asks for the sampled tokens' own (chat's is a boolean)
               ("logprobs", req.logprobs is not None and req.logprobs is not False)]
     if isinstance(req, CompletionRequest):
@@ -167,7 +180,7 @@ def sampling_fields(req, max_tokens_default: int, max_stop: int = 4) -> dict:
         raise APIError(400, f"stop takes at most {max_stop} non-empty strings of up to 256 characters",
                        param="stop")
     return dict(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=req.seed,
-                stop=stop or None, ignore_eos=bool(req.ignore_eos))
+                stop=stop or None, stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos))
 
 
 def check_max_tokens(value: int | None, param: str, prompt_len: int, max_len: int, default: int) -> int:

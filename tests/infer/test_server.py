@@ -113,6 +113,14 @@ def test_sampling_and_stop(client):
     assert r.choices[0].text == full[:full.index(stop)]
 
 
+def test_stop_token_ids_end_the_completion(server, client):
+    """vLLM's stop_token_ids extension is honoured (it was ignored as an unknown field)."""
+    every_token = list(range(server[0].state.scheduler.engine.vocab_size))
+    r = client.completions.create(model=MODEL, prompt="abcabc", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": every_token})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+
+
 def test_concurrent_requests_give_the_same_greedy_text(client):
     prompts = ["abcabcabcabc", "hello world, hello", "1 2 3 4 5 6", "zzzz", "The cat sat on the", "{[()]}" * 3]
     one_by_one = [complete(client, p) for p in prompts]

@@ -52,3 +52,21 @@ def test_any_logprobs_request_is_refused_not_ignored(kind, value, refused):
     with pytest.raises(APIError) as err:  # logprobs=0 was answered with "logprobs": null
         check_unsupported(req)
     assert err.value.param == "logprobs"
+
+
+@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.2), ("min_p", 0.05), ("min_tokens", 4),
+                                         ("use_beam_search", True), ("include_stop_str_in_output", True)])
+def test_vllm_sampling_extensions_that_change_the_output_are_refused_not_ignored(field, value):
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "x", field: value})
+    with pytest.raises(APIError) as err:  # as unknown fields they were dropped without a word
+        check_unsupported(req)
+    assert err.value.param == field
+
+
+def test_stop_token_ids_reach_the_sampling_params():
+    from specdec.infer.server.protocol import sampling_fields
+
+    req = parse_request(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                      "stop_token_ids": [7, 9], "repetition_penalty": 1, "min_p": 0})
+    check_unsupported(req)  # the neutral values pass
+    assert sampling_fields(req, 16)["stop_token_ids"] == [7, 9]
