@@ -82,12 +82,20 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServerConfig, sampling_p
                 raise APIError(413, f"request body larger than {config.max_body_bytes} bytes",
                                code="body_too_large")
         try:
-            return json.loads(body.decode("utf-8"))
+            data = json.loads(body.decode("utf-8"))
+            # "\ud800" escapes decode to lone surrogates, which the tokenizer cannot take (a 500)
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeDecodeError as err:
             raise APIError(400, f"request body is not valid UTF-8: {err.reason} at byte {err.start}",
                            code="invalid_utf8")
+        except UnicodeEncodeError as err:
+            raise APIError(400, f"request body has an unpaired surrogate escape ({err.object[err.start]!r}) "
+                           "in a string", code="invalid_utf8")
+        except RecursionError:  # the parser recurses per level: [[[[...]]]] 1,000 deep overflows it
+            raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json")
         except ValueError as err:
             raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json")
+        return data
 
     def check_model(name: str) -> None:
         if name != config.model_name and name not in config.aliases:

@@ -140,6 +140,8 @@ BAD = [
     ("malformed json", b'{"model": "tiny", "prompt": ', 400, None),
     ("invalid utf-8", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),
     ("not an object", b"[1, 2, 3]", 400, None),
+    ("lone surrogate escape", b'{"model": "tiny", "prompt": "a \\ud800 b"}', 400, None),  # was a 500
+    ("nested too deeply", b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
     ("max_tokens as string", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("temperature as string", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("prompt as number", {"prompt": 5}, 400, "prompt"),
