@@ -84,6 +84,9 @@ class ServerMetrics:
     def on_queue(self, waiting: int, running: int) -> None:
         self.queue_length.set(waiting)
         self.running.set(running)
+        if not waiting and not running:  # idle: no steps move the average, which kept its last rate
+            self._ema_tps = None
+            self.tokens_per_s.set(0)
 
     def on_finish(self, endpoint: str, outcome: str, prompt_tokens: int, completion_tokens: int,
                   latency: float, ttft: float | None, cached_tokens: int = 0) -> None:
