@@ -177,7 +177,9 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServerConfig, sampling_p
             else "max_completion_tokens"
         messages = chat_text(req.messages)  # its own errors are not the template's
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt is not False,
+                continue_final_message=bool(req.continue_final_message))
         except Exception as err:  # jinja templates raise on role orders they do not support
             raise APIError(400, f"the chat template rejected these messages: {err}", param="messages")
         ids = await asyncio.to_thread(lambda: tokenizer(text, add_special_tokens=False)["input_ids"])

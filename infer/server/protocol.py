@@ -85,6 +85,9 @@ class ChatRequest(_Common):
     top_logprobs: StrictInt | None = None
     tools: list | None = None
     response_format: dict | None = None
+    # extensions (vLLM): continue_final_message carries on the last (assistant) message's text
+    add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
 
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
@@ -160,6 +163,9 @@ def check_unsupported(req) -> None:
     for name, bad in checks:
         if bad:
             raise APIError(400, f"{name} is not supported by this server", param=name)
+    if isinstance(req, ChatRequest) and req.continue_final_message and req.add_generation_prompt is not False:
+        raise APIError(400, "continue_final_message needs add_generation_prompt=false (as in vLLM): a reply "
+                       "cannot both start a new message and carry on the last one", param="continue_final_message")
 
 
 def sampling_fields(req, max_tokens_default: int, max_stop: int = 4) -> dict:

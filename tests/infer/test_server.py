@@ -121,6 +121,18 @@ def test_stop_token_ids_end_the_completion(server, client):
     assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
 
 
+def test_chat_can_carry_on_the_last_assistant_message(server):
+    """vLLM's continue_final_message: the reply goes on from the assistant's text (it was ignored,
+    and a new assistant message started after it)."""
+    start = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two"}]
+    body = {"model": MODEL, "messages": start, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}
+    carried = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=auth()).json()
+    new = httpx.post(server[1] + "/v1/chat/completions", json={**body, "continue_final_message": False,
+                                                              "add_generation_prompt": True}, headers=auth()).json()
+    assert carried["usage"]["prompt_tokens"] < new["usage"]["prompt_tokens"]  # no end of turn, no new header
+
+
 def test_concurrent_requests_give_the_same_greedy_text(client):
     prompts = ["abcabcabcabc", "hello world, hello", "1 2 3 4 5 6", "zzzz", "The cat sat on the", "{[()]}" * 3]
     one_by_one = [complete(client, p) for p in prompts]

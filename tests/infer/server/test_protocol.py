@@ -70,3 +70,12 @@ def test_stop_token_ids_reach_the_sampling_params():
                                       "stop_token_ids": [7, 9], "repetition_penalty": 1, "min_p": 0})
     check_unsupported(req)  # the neutral values pass
     assert sampling_fields(req, 16)["stop_token_ids"] == [7, 9]
+
+
+def test_continuing_the_final_message_needs_no_generation_prompt():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    check_unsupported(parse_request(ChatRequest, {**body, "continue_final_message": True,
+                                                  "add_generation_prompt": False}))
+    with pytest.raises(APIError) as err:
+        check_unsupported(parse_request(ChatRequest, {**body, "continue_final_message": True}))
+    assert err.value.param == "continue_final_message"
