@@ -210,8 +210,10 @@ def main(argv=None) -> int:
         if value is not None and value < 1:
             print(f"specdec-serve: --{flag.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    from specdec.infer.target import resolve_device
+
     try:
-        app = build_app(args.target, method, head, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+        app = build_app(args.target, method, head, dtype=args.dtype, device=resolve_device(args.device), max_batch=args.max_batch,
                         max_len=args.max_len, policy=args.spec_policy, spec_nodes=nodes, spec_depth=args.spec_depth,
                         spec_topk=args.spec_topk, fixed_nodes=args.spec_budget,
                         disable_batch_size=args.spec_disable_batch_size, cost_profile=args.cost_profile,
