@@ -29,6 +29,7 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # default: max_len - 1
     default_max_tokens: int = 256  # chat requests without max_tokens (completions: OpenAI's 16)
     aliases: tuple[str, ...] = ()  # other names accepted for the model (the target's own name)
+    allowed_origins: tuple[str, ...] = ()  # CORS: web pages that may call the API from a browser ("*": any)
 
 
 def create_app(scheduler: Scheduler, tokenizer, config: ServerConfig, sampling_params_cls) -> FastAPI:
@@ -44,6 +45,11 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServerConfig, sampling_p
 
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.config = scheduler, config
+    if config.allowed_origins:  # a browser's preflight (OPTIONS) is answered here, before auth and routes
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     metrics = scheduler.metrics
     key = config.api_key.encode() if config.api_key else None
     max_prompt = config.max_prompt_tokens or config.max_len - 1

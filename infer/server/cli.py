@@ -48,7 +48,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
               api_key: str | None = None, max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None,
               default_max_tokens: int = 256,
               prefill_chunk: int | None = 512, prefix_cache_mb: float = 1024, drafter_opts: dict | None = None,
-              step_log: str | None = None):
+              step_log: str | None = None, allowed_origins: tuple[str, ...] = ()):
     """Engine + controller + scheduler + FastAPI app for ``target`` (a Target or a name).
 
     The budget grid (``spec_nodes`` / ``spec_depth`` / ``spec_topk``) defaults to the drafter's
@@ -97,7 +97,7 @@ def build_app(target, method: str = "plain", head=None, *, dtype=None, device="c
                           torch_thread=torch_thread, step_log=steps)
     config = ServerConfig(model_name=name, max_len=engine.max_len, api_key=api_key, max_body_bytes=max_body_bytes,
                           max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
-                          aliases=(target.name,))
+                          aliases=(target.name,), allowed_origins=tuple(allowed_origins))
     app = create_app(scheduler, target.tokenizer, config, SamplingParams)
     app.state.method, app.state.controller = method, controller
     return app
@@ -130,6 +130,21 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000, drain_timeout_s:
     return DrainingServer(config)
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, found before the model loads (uvicorn finds out
+    only once it has): the port taken, the host not this machine's."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no problem
+            sock.bind((host, port))
+    except OSError as err:
+        return f"cannot listen on {host}:{port}: {err.strerror or err}"
+    return None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="specdec-serve", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m", help="embedded name, HF folder, .gguf or hub id")
@@ -143,6 +158,9 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY)")
+    p.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
+                   help="CORS: comma-separated origins whose web pages may call the API from a browser, "
+                        "'' for none (default: %(default)s, any, as vLLM)")
     p.add_argument("--served-model-name", help="model id clients ask for (default: the target's name)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (KV slots)")
     p.add_argument("--max-len", type=int, default=None,
@@ -210,6 +228,10 @@ def main(argv=None) -> int:
         if value is not None and value < 1:
             print(f"specdec-serve: --{flag.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    problem = port_problem(args.host, args.port)
+    if problem:
+        print(f"specdec-serve: {problem} (another server there? choose --port)", file=sys.stderr)
+        return 2
     from specdec.infer.target import resolve_device
 
     try:
@@ -221,7 +243,8 @@ def main(argv=None) -> int:
                         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                         default_max_tokens=args.default_max_tokens,
                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                        step_log=args.step_log, drafter_opts=drafter_opts)
+                        step_log=args.step_log, drafter_opts=drafter_opts,
+                        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
     except (ValueError, RuntimeError, OSError) as err:
         print(f"specdec-serve: {err}", file=sys.stderr)
         return 2

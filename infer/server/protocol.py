@@ -144,6 +144,8 @@ def check_unsupported(req) -> None:
     """Refuse what this server cannot honour, naming the field."""
     if req.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     checks = [("presence_penalty", req.presence_penalty not in (None, 0)),
               ("frequency_penalty", req.frequency_penalty not in (None, 0)),
               ("logit_bias", bool(req.logit_bias)),

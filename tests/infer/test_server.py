@@ -167,6 +167,8 @@ BAD = [
     ("n > 1", {"prompt": "x", "n": 2}, 400, "n"),
     ("temperature out of range", {"prompt": "x", "temperature": 7.5}, 400, "temperature"),
     ("too many stop strings", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ("unknown model", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("body too large", {"prompt": "x" * (70 * 1024)}, 413, None),
 ]
@@ -461,3 +463,30 @@ def test_an_unwritable_step_log_is_refused_before_loading(tmp_path, capsys, monk
     path = tmp_path / "missing" / "steps.jsonl"
     assert cli.main(["--step-log", str(path), "--method", "plain"]) == 2
     assert f"cannot write the step log {path}" in capsys.readouterr().err and not started
+
+
+def test_a_taken_port_is_refused_before_loading(capsys, monkeypatch):
+    from specdec.infer.server import cli, scheduler
+
+    started = []  # the thread that would load the target
+    monkeypatch.setattr(scheduler, "TorchThread", lambda *a, **k: started.append(1))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["--method", "plain", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err and not started
+
+
+def test_browsers_get_cors_headers_from_allowed_origins_only(tiny_target):
+    from starlette.testclient import TestClient
+
+    from specdec.infer.server.cli import build_app
+
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    for origins, allowed in [(("*",), "*"), (("http://ui.example",), "http://ui.example"), ((), None)]:
+        app = build_app(tiny_target, "plain", max_batch=1, max_len=64, api_key=KEY, allowed_origins=origins)
+        resp = TestClient(app).options("/v1/chat/completions", headers=preflight)  # no key: a preflight has none
+        assert resp.headers.get("access-control-allow-origin") == allowed
+        assert (resp.status_code == 200) == (allowed is not None)
