@@ -157,3 +157,31 @@ def test_recipe_reuses_replies_when_num_prompts_changes(tmp_path, tiny_target, p
     ids = lambda f: [r["id"].split("/")[-1] for r in read(f)]   # the prompt's index in the file
     assert ids(more) == ["0", "1", "2", "3", "4"] and ids(fewer) == ["0", "1"]
     assert read(fewer) == read(more)[:2] == read(first)[:2]     # the same cached replies
+
+
+def test_recipe_regenerates_for_an_edited_file_and_reuses_a_moved_one(tmp_path, tiny_target, prompts_file, capsys):
+    """The cache is named by the file's content: editing the prompts must not keep training on
+    the old ones, and a copy of the same file elsewhere (a new clone) reuses its replies."""
+    from pathlib import Path
+
+    from specdec.train.config import load_recipe
+    from specdec.train.pipeline import regenerate_files
+    from specdec.train.trainer import DistInfo
+
+    def replies(path):
+        recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "medusa.yaml", [
+            "data.regenerate.enabled=true", "data.regenerate.num_prompts=2",
+            "data.regenerate.max_new_tokens=4", "data.regenerate.batch_size=2",
+            f"data.regenerate.dir={tmp_path / 'regen'}"])
+        (out,) = regenerate_files(recipe, tiny_target, [path], DistInfo(0, 0, 1, torch.device("cpu")))
+        return [r["messages"][-2]["content"] for r in read(out)], capsys.readouterr().err
+
+    before, _ = replies(prompts_file)
+    moved = tmp_path / "elsewhere" / prompts_file.name
+    moved.parent.mkdir()
+    moved.write_bytes(prompts_file.read_bytes())
+    again, log = replies(moved)
+    assert again == before and "'written': 0" in log
+    prompts_file.write_text(prompts_file.read_text().replace("Question", "Query"))
+    edited, log = replies(prompts_file)
+    assert edited == ["Query 0?", "Query 1?!"] and "'written': 2" in log
