@@ -87,24 +87,39 @@ def require_checkpoint(output_dir: str | Path) -> None:
 
 
 def check_head_shapes(output_dir: str | Path, head) -> None:
-    """Resuming into a head of other shapes (a head field or the target changed since the
-    checkpoint) fails here, before any data work, naming the tensors that differ."""
+    """Resuming into a head of other shapes (a head field, the head type or the target changed
+    since the checkpoint) fails here, before any data work, naming the tensors that differ:
+    a tensor only one side has would otherwise surface as the optimizer's bare "parameter
+    group that doesn't match" after the capture."""
     tag = latest_checkpoint(output_dir)
-    states = checkpoint_root(output_dir) / str(tag) / "mp_rank_00_model_states.pt"
-    if tag is None or not states.exists():  # no checkpoint, or a layout load_checkpoint checks
+    states = sorted((checkpoint_root(output_dir) / str(tag)).glob("*mp_rank_00_model_states.pt"))
+    if tag is None or not states:  # no checkpoint, or a layout load_checkpoint checks
         return
-    saved = torch.load(states, map_location="cpu", weights_only=False, mmap=True).get("module") or {}
-    mine = {name: tuple(t.shape) for name, t in head.state_dict().items()}
-    differ = [f"{name}: checkpoint {tuple(t.shape)}, recipe {mine[name]}"
-              for name, t in ((k.removeprefix("head."), v) for k, v in saved.items())
-              if name in mine and tuple(t.shape) != mine[name]]
+    saved = _saved_shapes(states[0])
+    frozen = {name for name, p in head.named_parameters() if not p.requires_grad}  # never saved
+    mine = {name: tuple(t.shape) for name, t in head.state_dict().items() if name not in frozen}
+    differ = [f"{name}: checkpoint {saved[name]}, recipe {shape}"
+              for name, shape in mine.items() if name in saved and saved[name] != shape]
+    differ += [f"{name}: not in the checkpoint" for name in mine if name not in saved]
+    differ += [f"{name}: only in the checkpoint" for name in saved if name not in mine]
     if differ:
         raise ResumeError(_shape_message(checkpoint_root(output_dir) / tag, differ))
 
 
+def _saved_shapes(states: Path) -> dict[str, tuple]:
+    """Name -> shape of the head tensors a checkpoint holds. ZeRO-3 saves empty partitions as
+    `module` tensors: the full shapes of its parameters are in `param_shapes`."""
+    saved = torch.load(states, map_location="cpu", weights_only=False, mmap=True)
+    shapes = {name: tuple(t.shape) for name, t in (saved.get("module") or {}).items()}
+    for group in saved.get("param_shapes") or []:
+        shapes.update((name, tuple(shape)) for name, shape in group.items())
+    return {name.removeprefix("head."): shape for name, shape in shapes.items()}
+
+
 def _shape_message(where: Path, differ: list[str]) -> str:
     return (f"checkpoint {where} holds a head of another shape than this recipe builds "
-            f"({'; '.join(differ[:3])}): start over with --no-resume or choose another output.dir")
+            f"({'; '.join(differ[:3])}{f'; {len(differ) - 3} more' if len(differ) > 3 else ''}): "
+            "start over with --no-resume or choose another output.dir")
 
 
 def latest_checkpoint(output_dir: str | Path) -> str | None:

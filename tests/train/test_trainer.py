@@ -206,6 +206,22 @@ def test_resume_into_a_head_of_another_shape_says_so(tmp_path, capsys):
     assert (tmp_path / "final" / "model.safetensors").exists()       # the finished head is kept
 
 
+def test_resume_into_another_head_type_or_more_heads_says_so(tmp_path, capsys):
+    """Tensors only one side has (num_heads grown, another head type, under ZeRO-3 too) are
+    named before any data work, not left to the optimizer's bare size mismatch."""
+    from specdec.train.cli import main
+
+    base = [f"output.dir={tmp_path}", "data.limit=24", "optim.max_steps=1", "wandb.mode=disabled",
+            "deepspeed.zero_stage=3"]
+    assert main([str(TINY / "medusa.yaml"), *base]) == 0
+    capsys.readouterr()
+    assert main([str(TINY / "medusa.yaml"), *base, "optim.max_steps=2", "head.num_heads=4"]) == 2
+    assert "medusa_head.3.0.linear.weight: not in the checkpoint" in capsys.readouterr().err
+    assert main([str(TINY / "hydra.yaml"), *base, "optim.max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "another shape" in err and "not in the checkpoint" in err and "more)" in err
+
+
 # ----------------------------------------------------------------------------- subprocess runs
 
 def _env() -> dict:
