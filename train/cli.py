@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.train.config import RecipeError, load_recipe
 
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, check_files=True)
     except RecipeError as err:
         print(f"specdec-train: {err}", file=sys.stderr)
         return 2

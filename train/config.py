@@ -167,17 +167,21 @@ def _plain(value):
 
 # ----------------------------------------------------------------------------- loading
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), head_resolver=None) -> Recipe:
-    """Parse, override and validate a recipe file. Raises RecipeError on any bad key."""
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), head_resolver=None,
+                check_files: bool = False) -> Recipe:
+    """Parse, override and validate a recipe file. Raises RecipeError on any bad key;
+    ``check_files``: also on a data file that does not exist here (the command line's check)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
         raise RecipeError(f"cannot read recipe {path}: {err}") from err
-    return parse_recipe(text, name=str(path), overrides=overrides, head_resolver=head_resolver)
+    return parse_recipe(text, name=str(path), overrides=overrides, head_resolver=head_resolver,
+                        check_files=check_files)
 
 
-def parse_recipe(text: str, name: str = "<recipe>", overrides=(), head_resolver=None) -> Recipe:
+def parse_recipe(text: str, name: str = "<recipe>", overrides=(), head_resolver=None,
+                 check_files: bool = False) -> Recipe:
     """Like load_recipe, from YAML text (``name`` is used in error messages)."""
     root = compose(text, name)
     if root is None:
@@ -186,10 +190,10 @@ def parse_recipe(text: str, name: str = "<recipe>", overrides=(), head_resolver=
         raise RecipeError(f"{where(root)}: a recipe is a mapping of sections ({', '.join(SECTIONS)})")
     for item in overrides:
         apply_override(root, item)
-    return _build_recipe(root, name, head_resolver or resolve_head_class)
+    return _build_recipe(root, name, head_resolver or resolve_head_class, check_files)
 
 
-def _build_recipe(root: yaml.MappingNode, name: str, head_resolver) -> Recipe:
+def _build_recipe(root: yaml.MappingNode, name: str, head_resolver, check_files: bool = False) -> Recipe:
     seen = check_keys(root, SECTIONS, "")
     recipe = Recipe(source=name)
     for section in ("target", "data", "optim", "output", "deepspeed", "wandb"):
@@ -201,7 +205,26 @@ def _build_recipe(root: yaml.MappingNode, name: str, head_resolver) -> Recipe:
     if "loss" in seen:
         recipe.loss = _build_loss(seen["loss"], head_cls, recipe.head.fields)
     _check_ranges(recipe, seen)
+    if check_files and "data" in seen:
+        _check_files(seen["data"])
     return recipe
+
+
+def _check_files(data_node) -> None:
+    """Every data.files entry names a bundled set or an existing file, said at its line: the
+    run would otherwise load the target first and then fail without one."""
+    from specdec.train.data import BUNDLED
+
+    files = next((v for k, v in data_node.value if k.value == "files"), None)
+    for i, item in enumerate(files.value if isinstance(files, yaml.SequenceNode) else []):
+        name = str(item.value)
+        if name.startswith("bundled:"):
+            if name[len("bundled:"):] not in BUNDLED:
+                raise RecipeError(f"{where(item)}: data.files[{i}]: unknown bundled set {name!r} "
+                                  f"(bundled: {', '.join(BUNDLED)})")
+        elif not Path(name).is_file():
+            raise RecipeError(f"{where(item)}: data.files[{i}]: no such file {name!r} "
+                              f"(relative paths start at {Path.cwd()})")
 
 
 def _build_head(node, head_resolver):

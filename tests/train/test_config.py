@@ -155,3 +155,19 @@ def test_cli_help_explains_sections_and_overrides():
     for word in ("target:", "head:", "data:", "loss:", "optim:", "output:", "deepspeed:", "wandb:",
                  "overrides", "--no-resume", "micro_batch_size", "zero_stage"):
         assert word in text
+
+
+def test_a_missing_data_file_is_named_at_its_line_before_any_work(tmp_path):
+    """The command line checks data.files (a run would load the target first); library
+    loading does not, so a recipe for files on another machine still parses."""
+    text = GOOD.replace("[bundled:sharegpt_dummy]", "[bundled:sharegpt_dummy, nope.jsonl]")
+    assert parse_recipe(text, name="r.yaml").data.files[1] == "nope.jsonl"
+    with pytest.raises(RecipeError, match=r"^r\.yaml:7: data\.files\[1\]: no such file 'nope\.jsonl'"):
+        parse_recipe(text, name="r.yaml", check_files=True)
+    with pytest.raises(RecipeError, match=r"^r\.yaml:7: data\.files\[0\]: unknown bundled set 'bundled:gsm8"):
+        parse_recipe(GOOD.replace("sharegpt_dummy", "gsm8"), name="r.yaml", check_files=True)
+    with pytest.raises(RecipeError, match=r"^override 'data\.files=\[x\.json\]': data\.files\[0\]"):
+        parse_recipe(GOOD, overrides=["data.files=[x.json]"], check_files=True)
+    real = tmp_path / "mine.jsonl"
+    real.write_text("")
+    parse_recipe(GOOD.replace("bundled:sharegpt_dummy", str(real)), check_files=True)
