@@ -51,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resume_hint(output_dir: str) -> str:
+    """What running the same command again will do, after an interruption."""
+    from specdec.train.checkpoint import checkpoint_root, latest_checkpoint
+
+    tag = latest_checkpoint(output_dir)
+    if tag is None:
+        return "no checkpoint was saved yet: the same command starts over (output.save_every sets how often)"
+    return f"the same command resumes from {checkpoint_root(output_dir) / tag}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # --check may follow the overrides
     if args.local_rank is not None:
@@ -79,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, TargetError, DataError, CaptureError, ResumeError) as err:
         print(f"specdec-train: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C is the documented way to stop: a line, not two tracebacks
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"specdec-train: interrupted; {resume_hint(recipe.output.dir)}", file=sys.stderr)
+        return 130
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"specdec-train: done, head in {final}")
     return 0

@@ -385,3 +385,22 @@ def test_two_processes_match_one(reference_run, tmp_path):
     proc = _train(out, "optim.grad_accum=2", "wandb.mode=disabled")
     assert "nothing to train" not in proc.stderr and "removing" in proc.stderr
     assert sorted(p.name for p in (out / "features" / "train").iterdir()) == ["part-0-of-1"]
+
+
+def test_ctrl_c_says_how_to_resume_in_one_line(tmp_path, capsys, monkeypatch):
+    from specdec.train import pipeline
+    from specdec.train.checkpoint import tag_for
+    from specdec.train.cli import main
+
+    def interrupted(recipe, resume=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "run", interrupted)
+    argv = [str(TINY / "medusa.yaml"), f"output.dir={tmp_path}"]
+    assert main(argv) == 130
+    assert "interrupted; no checkpoint was saved yet" in capsys.readouterr().err
+    (tmp_path / "checkpoints" / tag_for(20)).mkdir(parents=True)
+    (tmp_path / "checkpoints" / tag_for(20) / "COMPLETE").write_text("")
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"resumes from {tmp_path / 'checkpoints' / tag_for(20)}" in err
