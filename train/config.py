@@ -299,6 +299,11 @@ def _check_ranges(recipe: Recipe, seen: dict) -> None:
         raise RecipeError(f"{line}: {section}.{key}: {why}")
 
     o, d, out, ds = recipe.optim, recipe.data, recipe.output, recipe.deepspeed
+    # an empty name would train into the current directory / load the default target
+    if not out.dir.strip():
+        fail("output", "dir", "must not be empty (a folder for checkpoints and final/)")
+    if not recipe.target.name.strip():
+        fail("target", "name", "must not be empty (smollm2-135m, a HF folder, a .gguf file or a hub id)")
     if not 0 <= ds.zero_stage <= 3:
         fail("deepspeed", "zero_stage", f"must be 0, 1, 2 or 3, got {ds.zero_stage}")
     for key in ("micro_batch_size", "grad_accum", "epochs"):

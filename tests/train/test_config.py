@@ -171,3 +171,11 @@ def test_a_missing_data_file_is_named_at_its_line_before_any_work(tmp_path):
     real = tmp_path / "mine.jsonl"
     real.write_text("")
     parse_recipe(GOOD.replace("bundled:sharegpt_dummy", str(real)), check_files=True)
+
+
+def test_an_empty_output_dir_or_target_name_is_refused():
+    """`output.dir=` (a slip on the command line) would train into the current folder."""
+    with pytest.raises(RecipeError, match=r"^override 'output\.dir=': output\.dir: must not be empty"):
+        parse_recipe(GOOD, overrides=["output.dir="])
+    with pytest.raises(RecipeError, match=r"target\.name: must not be empty"):
+        parse_recipe(GOOD, overrides=["target.name=''"])
