@@ -224,6 +224,12 @@ def prepare_data(recipe: Recipe, target, dist: DistInfo):
     eval_ds = concatenate_datasets(evals) if evals else parts[0]["eval"]
     if len(train) == 0:
         raise DataError("no training sequences: check data.files / data.limit")
+    o = recipe.optim
+    batch = o.micro_batch_size * o.grad_accum * dist.world_size
+    if len(train) < batch:  # said before the capture, not as the batch plan's traceback after it
+        raise DataError(f"{len(train)} training sequences are fewer than one global batch (optim."
+                        f"micro_batch_size {o.micro_batch_size} x optim.grad_accum {o.grad_accum} x "
+                        f"{dist.world_size} processes = {batch}): add data (data.limit) or shrink the batch")
     if dist.is_main:
         n_tok = sum(len(x) for x in train["input_ids"])
         print(f"data: {len(train)} training sequences ({n_tok:,} tokens), {len(eval_ds)} eval",

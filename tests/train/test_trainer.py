@@ -404,3 +404,12 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tmp_path, capsys, monkeypatch):
     assert main(argv) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"resumes from {tmp_path / 'checkpoints' / tag_for(20)}" in err
+
+
+def test_fewer_sequences_than_a_batch_say_so_before_the_capture(tmp_path, capsys):
+    from specdec.train.cli import main
+
+    assert main([str(TINY / "medusa.yaml"), f"output.dir={tmp_path}", "data.limit=4",
+                 "wandb.mode=disabled"]) == 2
+    assert "3 training sequences are fewer than one global batch" in capsys.readouterr().err
+    assert not (tmp_path / "features").exists()
