@@ -16,7 +16,8 @@ overrides: any number of dotted.key=value after the recipe, typed like the recip
 
 outputs in output.dir: recipe.resolved.yaml (every default filled in), metrics.jsonl,
 checkpoints/step-N/ (DeepSpeed + data position + RNG), eval.json, final/ (the head:
-config.json + model.safetensors, loadable by specdec.heads.load_head and specdec-export).
+config.json + model.safetensors, loadable by specdec.heads.load_head and specdec-export),
+wandb/ (the Weights & Biases run; offline unless logged in: `wandb sync <output.dir>/wandb/offline-run-*`).
 
 resume: by default a run continues from the newest complete checkpoint in output.dir
 (also after kill -9); --no-resume starts over, --resume insists on one.
