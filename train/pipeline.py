@@ -52,16 +52,16 @@ def run(recipe: Recipe, resume: bool | None = None) -> Path:
 def _run(recipe: Recipe, resume: bool | None, dist: DistInfo, out: Path, marks: list) -> Path:
     from specdec.infer.target import load_target
 
-    if dist.is_main:
-        recipe.dump(out / "recipe.resolved.yaml")
-        if resume is False:  # start over: forget checkpoints and the metric log, keep data caches
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            (out / "metrics.jsonl").unlink(missing_ok=True)
+    if dist.is_main and resume is False:  # start over: forget checkpoints and the metric log, keep data caches
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
     barrier()
     target = load_target(recipe.target.name, dtype=recipe.target.dtype, device=dist.device)
     head = build_head(recipe, target)   # before the data work: a bad optim.freeze fails here
     if resume is not False:
         check_head_shapes(out, head)     # and so does a checkpoint this head cannot resume
+    if dist.is_main:  # only now: a resume refused above keeps the record of what the checkpoint is
+        recipe.dump(out / "recipe.resolved.yaml")
     train_ds, eval_ds = prepare_data(recipe, target, dist)
     choose_draft_vocab(head, train_ds, target.vocab_size)
     marks.append(("target + data", time.perf_counter()))

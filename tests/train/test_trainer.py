@@ -217,6 +217,7 @@ def test_resume_into_another_head_type_or_more_heads_says_so(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(TINY / "medusa.yaml"), *base, "optim.max_steps=2", "head.num_heads=4"]) == 2
     assert "medusa_head.3.0.linear.weight: not in the checkpoint" in capsys.readouterr().err
+    assert "num_heads: 3" in (tmp_path / "recipe.resolved.yaml").read_text()  # the checkpoint's record
     assert main([str(TINY / "hydra.yaml"), *base, "optim.max_steps=2"]) == 2
     err = capsys.readouterr().err
     assert "another shape" in err and "not in the checkpoint" in err and "more)" in err
