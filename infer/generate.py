@@ -14,12 +14,13 @@ import sys
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.dtypes import AUTO_DECODING_HELP, DTYPE_CHOICES
-from specdec.infer.drafters import available_methods
+from specdec.infer.drafters import available_methods, target_for_head
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec-generate", description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m", help="target name, HF folder or .gguf (default smollm2-135m)")
+    p.add_argument("--target", default=None,
+                   help="target name, HF folder or .gguf (default: the --head's own target, else smollm2-135m)")
     p.add_argument("--method", default=None, help=f"drafting method: {', '.join(available_methods())} "
                                                   "(default: the --head's own, else plain)")
     p.add_argument("--head", default=None, help="trained head folder (head methods)")
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     import inspect
 
     from specdec.infer.api import LLM, SamplingParams
+    from specdec.infer.target import DEFAULT_TARGET
 
     budget = parse_budget(args.budget)  # usage errors before the model loads
     opts = parse_opts(args.opt)
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
-        llm = LLM(target=args.target, method=args.method, head=args.head, dtype=args.dtype,
+        target = args.target or (args.head and target_for_head(args.head)) or DEFAULT_TARGET
+        llm = LLM(target=target, method=args.method, head=args.head, dtype=args.dtype,
                   device=args.device, max_batch=max(1, len(args.prompt)) if args.json else 1,
                   max_len=args.max_len, **opts)
         return _generate(llm, args, params, budget)

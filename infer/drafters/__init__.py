@@ -32,6 +32,23 @@ def method_for_head(folder) -> str | None:
     return _method_of_head_type().get(head_type)
 
 
+def target_for_head(folder) -> str | None:
+    """The target a head folder was trained on, by the name its recipe gave (final/recipe.yaml),
+    where that name loads here: an embedded name, a hub id or an existing folder / .gguf; else None
+    (a folder that moved or lives on another machine: the caller's default applies)."""
+    import yaml
+
+    from specdec.infer.target import EMBEDDED, TINY_TARGET, _looks_like_hub_id
+
+    try:
+        name = str(yaml.safe_load((Path(folder) / "recipe.yaml").read_text())["target"]["name"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    if name in EMBEDDED or name == TINY_TARGET or Path(name).expanduser().exists() or _looks_like_hub_id(name):
+        return name
+    return None
+
+
 def _method_of_head_type() -> dict[str, str]:
     return {t: m for m, t in head_methods().items()}
 

@@ -147,7 +147,8 @@ def port_problem(host: str, port: int) -> str | None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="specdec-serve", description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="smollm2-135m", help="embedded name, HF folder, .gguf or hub id")
+    p.add_argument("--target", default=None, help="embedded name, HF folder, .gguf or hub id "
+                                                  "(default: the --head's own target, else smollm2-135m)")
     p.add_argument("--head", help=f"trained head folder (default: {DEFAULT_HEAD} if it exists)")
     p.add_argument("--method", help="plain, a head method (eagle3, medusa, ...) or pld/lookahead/...; "
                    "default: the head's own method with a head, else plain")
@@ -197,10 +198,12 @@ def parse_args(argv=None):
 
 
 def resolve_method(args) -> tuple[str, str | None]:
-    from specdec.infer.drafters import method_for_head
+    from specdec.infer.drafters import method_for_head, target_for_head
+    from specdec.infer.target import DEFAULT_TARGET
 
     head = args.head
-    if head is None and args.method in (None, "eagle3") and args.target == "smollm2-135m" and DEFAULT_HEAD.is_dir():
+    args.target = args.target or (head and target_for_head(head)) or DEFAULT_TARGET
+    if head is None and args.method in (None, "eagle3") and args.target == DEFAULT_TARGET and DEFAULT_HEAD.is_dir():
         head = str(DEFAULT_HEAD)
     method = args.method or ((method_for_head(head) or "eagle3") if head else "plain")
     return method, head

@@ -85,6 +85,10 @@ def test_a_head_without_method_drafts_with_its_own(tiny_target_dir, tiny_target,
     assert main([*base, "--head", str(tmp_path / "head")]) == 0    # method mlp, from the head's config
     drafted = json.loads(capsys.readouterr().out)
     assert drafted["token_ids"] == plain["token_ids"] and drafted["steps"] <= plain["steps"]
+    # the target too, from the recipe the trainer copies into final/ (else smollm2-135m)
+    (tmp_path / "head" / "recipe.yaml").write_text(f"target:\n  name: {tiny_target_dir}\n")
+    assert main(base[2:] + ["--head", str(tmp_path / "head")]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
 
 
 def test_entry_point_json_smoke(tiny_target_dir):

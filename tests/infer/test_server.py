@@ -490,3 +490,18 @@ def test_browsers_get_cors_headers_from_allowed_origins_only(tiny_target):
         resp = TestClient(app).options("/v1/chat/completions", headers=preflight)  # no key: a preflight has none
         assert resp.headers.get("access-control-allow-origin") == allowed
         assert (resp.status_code == 200) == (allowed is not None)
+
+
+def test_a_heads_own_target_is_served_without_target(tiny_target, tiny_target_dir, tmp_path):
+    import argparse
+
+    from specdec.heads import get_head_class
+    from specdec.infer.server.cli import resolve_method
+
+    get_head_class("mlp_speculator").from_target(tiny_target).save_pretrained(tmp_path / "head")
+    args = argparse.Namespace(head=str(tmp_path / "head"), method=None, target=None)
+    assert resolve_method(args) == ("mlp", str(tmp_path / "head")) and args.target == "smollm2-135m"
+    (tmp_path / "head" / "recipe.yaml").write_text(f"target:\n  name: {tiny_target_dir}\n")
+    args.target = None
+    resolve_method(args)
+    assert args.target == str(tiny_target_dir)
