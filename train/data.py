@@ -408,7 +408,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -434,7 +434,7 @@ def prepare_dataset(paths, tokenizer, max_length: int = 2048, pack: bool = False
     for p in paths:
         if not p.is_file():
             raise DataError(f"{p}: no such data file")
-    key_src = {"v": CACHE_VERSION, "files": [[str(p.resolve()), _file_digest(p)] for p in paths],
+    key_src = {"v": CACHE_VERSION, "files": [[str(p.resolve()), file_digest(p)] for p in paths],
                "fmt": fmt, "on_error": on_error, "max_length": max_length, "pack": pack,
                "eval_fraction": eval_fraction, "seed": seed, "limit": limit,
                "tokenizer": tokenizer_fingerprint(tokenizer)}

@@ -124,9 +124,9 @@ def resolve_files(files: list[str]) -> list[Path]:
 def _slug(path: Path) -> str:
     """``<stem>-<content digest>``: an edited file gets new prompts (its cached prompt list
     would otherwise be read forever), and a moved or recloned one keeps its replies."""
-    from specdec.train.data import _file_digest
+    from specdec.train.data import file_digest
 
-    return f"{path.stem}-{_file_digest(path)[:8]}"
+    return f"{path.stem}-{file_digest(path)[:8]}"
 
 
 def regenerate_files(recipe: Recipe, target, files: list[Path], dist: DistInfo) -> list[Path]:
