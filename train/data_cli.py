@@ -13,7 +13,7 @@ from typing import Callable
 
 from specdec.infer.dtypes import DTYPE_CHOICES, torch_dtype
 
-from .data import FORMATS  # a tuple in a light module: --help stays instant
+from .data import BUNDLED, FORMATS  # plain constants in a light module: --help stays instant
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
 def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs="+", required=True, metavar="FILE",
                    help="JSON/JSONL files: ShareGPT, OpenAI messages, Alpaca, GSM8K or Spec-Bench records "
-                        "(format detected per record), or a bundled set: gsm8k, guanaco, sharegpt_dummy")
+                        "(format detected per record), or a bundled set: " + ", ".join(BUNDLED))
     p.add_argument("--format", default="auto", dest="fmt",
                    choices=FORMATS,
                    help="force one record format instead of detecting it (default: %(default)s)")
