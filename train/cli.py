@@ -17,6 +17,7 @@ overrides: any number of dotted.key=value after the recipe, typed like the recip
 outputs in output.dir: recipe.resolved.yaml (every default filled in), metrics.jsonl,
 checkpoints/step-N/ (DeepSpeed + data position + RNG), eval.json, final/ (the head:
 config.json + model.safetensors, loadable by specdec.heads.load_head and specdec-export),
+features/train/, features/eval/ (the offline capture, unless data.capture_dir is set),
 wandb/ (the Weights & Biases run; offline unless logged in: `wandb sync <output.dir>/wandb/offline-run-*`).
 
 resume: by default a run continues from the newest complete checkpoint in output.dir
