@@ -105,6 +105,7 @@ def build_datastore(documents: Iterable[Sequence[int]], out_dir: str | os.PathLi
                     sources: Sequence[str] = ()) -> Path:
     """Write a datastore for ``documents`` (lists of token ids) to ``out_dir`` atomically."""
     out = Path(out_dir)
+    _check_replaceable(out)  # before the work: the folder is replaced as a whole at the end
     parts, n_docs = [], 0
     for doc in documents:
         if len(doc) == 0:
@@ -122,13 +123,35 @@ def build_datastore(documents: Iterable[Sequence[int]], out_dir: str | os.PathLi
     partial = out.with_name(out.name + f".partial{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    np.save(partial / "tokens.npy", tokens)
-    np.save(partial / "suffix_array.npy", sa)
-    (partial / "header.json").write_text(json.dumps(header, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)  # a killed build never leaves a half datastore behind
+    try:
+        np.save(partial / "tokens.npy", tokens)
+        np.save(partial / "suffix_array.npy", sa)
+        (partial / "header.json").write_text(json.dumps(header, indent=2))
+        _check_replaceable(out)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(partial, out)  # a killed build never leaves a half datastore behind
+    except BaseException:  # Ctrl-C or a full disk: no stray .partial folder left beside --out
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse an ``out`` that is a file, or a non-empty folder that is not a datastore: building
+    replaces the folder as a whole, and must not delete what a user keeps there."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DatastoreError(f"--out {out} is a file, not a datastore folder")
+    head = out / "header.json"
+    try:
+        is_store = json.loads(head.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        is_store = False
+    if not is_store and any(out.iterdir()):
+        raise DatastoreError(f"--out {out} holds files but no datastore; building one would "
+                             "delete them: choose a new or empty folder")
 
 
 # ---------------------------------------------------------------------------- corpus

@@ -290,6 +290,23 @@ def test_datastore_subcommand(tiny_target_dir, tmp_path):
                  "--out", str(tmp_path / "ds2")]) == 2
 
 
+def test_datastore_refuses_an_out_folder_that_holds_other_files(tmp_path):
+    docs = [[1, 2, 3, 4]]
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("precious")
+    with pytest.raises(DatastoreError, match="holds files but no datastore"):
+        build_datastore(docs, keep, IdTokenizer())
+    assert (keep / "notes.txt").read_text() == "precious"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DatastoreError, match="is a file"):
+        build_datastore(docs, tmp_path / "afile", IdTokenizer())
+    built = build_datastore(docs, tmp_path / "ds", IdTokenizer())  # a datastore is rebuilt in place
+    assert build_datastore(docs + [[5, 6]], built, IdTokenizer()) == built
+    assert Datastore.load(built).header["num_documents"] == 2
+    assert not list(tmp_path.glob("*.partial*"))
+
+
 # ---------------------------------------------------------------------------- hybrid
 
 
