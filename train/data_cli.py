@@ -79,9 +79,25 @@ def regenerate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
 
 
+def _check_regenerate_args(args) -> None:
+    """The regenerate flags' own ranges, said at once, before the target loads."""
+    from specdec.train.data import DataError
+
+    bad = [f"--{name.replace('_', '-')} must be >= 1, got {value}"
+           for name in ("limit", "batch_size", "max_new_tokens")
+           if (value := getattr(args, name)) is not None and value < 1]
+    if not (args.temperature >= 0 and args.temperature != float("inf")):
+        bad.append(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        bad.append(f"--top-p must be in (0, 1], got {args.top_p}")
+    if bad:
+        raise DataError("; ".join(bad))
+
+
 def regenerate_run(args) -> int:
     from specdec.train.regenerate import regenerate
 
+    _check_regenerate_args(args)
     target = _load_target(args)
     stats = regenerate(target, _data_paths(args.data), args.out, limit=args.limit,
                        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

@@ -108,6 +108,22 @@ def test_sampled_cli_run(tmp_path, tiny_target_dir, prompts_file, capsys):
     assert len(read(out)) == 4
 
 
+@pytest.mark.parametrize("flag,value,says", [("--batch-size", "0", "--batch-size must be >= 1"),
+                                               ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
+                                               ("--limit", "0", "--limit must be >= 1"),
+                                               ("--temperature", "-1", "--temperature must be"),
+                                               ("--top-p", "0", "--top-p must be in (0, 1]")])
+def test_cli_bad_flag_is_a_line_not_a_traceback(tmp_path, prompts_file, capsys, flag, value, says):
+    from specdec.train.data_cli import main
+
+    out = tmp_path / "r.jsonl"
+    argv = ["regenerate", "--target", "no-such-target-is-loaded", "--data", str(prompts_file),
+            "--out", str(out), flag, value]
+    assert main(argv) == 2  # said before the target loads
+    assert says in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_recipe_keeps_original_replies_only_of_files_that_have_them(tmp_path, tiny_target, prompts_file):
     """A prompt-only file (like bundled:tasks) is self-distilled; asking to keep the datasets'
     own replies too must not fail on it, only skip it."""
