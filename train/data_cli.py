@@ -7,6 +7,7 @@ two functions; heavy imports stay inside `run` so `--help` is instant.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -147,6 +148,8 @@ def _check_capture_args(args):
            if (value := getattr(args, name)) is not None and value < low]
     if not 0 <= args.eval_fraction < 1:
         bad.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        bad.append(f"--out {args.out} is a file, not a capture directory")
     aux = args.aux_layers
     if aux not in (None, "default"):
         try:

@@ -286,3 +286,16 @@ def test_cli_evaluate_scores_heads_on_a_capture(tmp_path, monkeypatch, tiny_targ
     err = capsys.readouterr().err
     assert "--topk-logits must be >= 0" in err and "--eval-fraction must be in [0, 1)" in err
     assert len(FeatureStore(tmp_path / "e3")) == 6
+
+
+def test_cli_capture_out_that_is_a_file_is_a_line(tmp_path, capsys):
+    from specdec.train.data_cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    out = tmp_path / "replies.jsonl"
+    out.write_text("keep me\n")
+    assert main(["capture", "--target", "no-such-target-is-loaded", "--data", str(data),
+                 "--out", str(out)]) == 2  # said before the target loads, not a FileExistsError
+    assert "is a file, not a capture directory" in capsys.readouterr().err
+    assert out.read_text() == "keep me\n"
