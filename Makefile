@@ -43,7 +43,7 @@ test-formats: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(BIN)/specdec-train recipes/smollm2-135m/eagle3.yaml
-	$(BIN)/specdec-bench --target smollm2-135m --methods plain,eagle3=runs/smollm2-135m/eagle3/final --limit 16 --max-new-tokens 128 --dtype auto --out runs/bench-demo
+	$(BIN)/specdec-bench --target smollm2-135m --methods plain,eagle3=runs/smollm2-135m/eagle3/final --limit 16 --max-new-tokens 128 --dtype auto --overwrite --out runs/bench-demo
 
 gpu-check: $(VENV)/.installed
 	$(BIN)/python -m specdec.infer.gpu_check

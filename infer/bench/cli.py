@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (default: refuse)")
     return p
 
 
@@ -101,7 +103,7 @@ def run(args):
     questions = specbench.load_questions(args.questions, cats, args.limit)
     budget = parse_budget(args.budget, prog="specdec-bench")
     drafter_opts = parse_opts(args.opt, prog="specdec-bench")
-    report.prepare_out(args.out)  # before the (long) run: an unusable --out must not cost the results
+    report.prepare_out(args.out, args.overwrite)  # before the (long) run: an unusable --out must not cost the results
     args.dtype = dtype_name(args.dtype, device, decoding=True)  # results.json records the dtype that ran
     target = load_target(args.target, dtype=args.dtype, device=device)
     answers = specbench.run_benchmark(target, methods, questions, args.max_new_tokens, args.runs,

@@ -26,11 +26,15 @@ PUBLISHED = {
 }
 
 
-def prepare_out(out_dir) -> Path:
-    """Create the output folder and check that it takes files, or raise BenchError saying why."""
+def prepare_out(out_dir, overwrite: bool = False) -> Path:
+    """Create the output folder and check that it takes files, or raise BenchError saying why;
+    an earlier run's results there are kept unless ``overwrite``."""
     from .specbench import BenchError
 
     out = Path(out_dir)
+    if not overwrite and (out / "results.json").is_file():
+        raise BenchError(f"--out {out} already holds the results of an earlier run; choose another "
+                         "--out, or pass --overwrite to replace them")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

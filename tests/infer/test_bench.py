@@ -224,3 +224,17 @@ def test_step_log_summary_by_batch_size(tmp_path):
     assert two["steps"] == 2 and two["with_prefill"] == 0.5 and two["tokens_per_step"] == 2.5
     table = markdown({"goodput": rows})
     assert "| goodput | 1 | 2 | 50% | 0% | 2.50 | 12.00 | 1.00 | 192.3 |" in table
+
+
+def test_earlier_results_in_out_are_kept_unless_overwrite(tiny_target_dir, tmp_path, capsys):
+    qfile = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"earlier": "an hour of benchmarking"}\n')
+    argv = ["--target", str(tiny_target_dir), "--methods", "plain", "--questions", qfile,
+            "--max-new-tokens", "2", "--no-progress", "--out", str(out)]
+    assert cli.main(argv) == 2                                   # refused before the run
+    assert "--overwrite" in capsys.readouterr().err
+    assert "an hour of benchmarking" in (out / "results.json").read_text()
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert "an hour of benchmarking" not in (out / "results.json").read_text()
