@@ -49,11 +49,17 @@ def load_questions(path=None, categories=None, limit: int | None = None) -> list
     if not path.exists():
         raise BenchError(f"question file {path} does not exist")
     by_cat: dict[str, list[dict]] = {}
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:  # a folder, unreadable, or not UTF-8 text
+        raise BenchError(f"question file {path}: cannot read it as UTF-8 JSONL ({err})") from None
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             q = json.loads(line)
+            if not isinstance(q, dict):
+                raise ValueError(f"expected a JSON object with 'turns', got {type(q).__name__}")
             turns = q["turns"]
             if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns) or not turns:
                 raise ValueError("'turns' must be a non-empty list of strings")

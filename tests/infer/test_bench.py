@@ -42,6 +42,13 @@ def test_limit_is_round_robin_over_the_chosen_categories(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"turns": "not a list"}\n')
     with pytest.raises(BenchError, match="bad.jsonl:1"):
         specbench.load_questions(tmp_path / "bad.jsonl")
+    (tmp_path / "array.jsonl").write_text('[{"turns": ["hi"]}]\n')
+    with pytest.raises(BenchError, match="array.jsonl:1: .*a JSON object"):
+        specbench.load_questions(tmp_path / "array.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'\xff\xfe{"turns": ["hi"]}\n')
+    for unreadable in (tmp_path / "latin1.jsonl", tmp_path):  # not UTF-8; a folder
+        with pytest.raises(BenchError, match="cannot read it as UTF-8 JSONL"):
+            specbench.load_questions(unreadable)
 
 
 def test_method_specs():
