@@ -99,7 +99,12 @@ def run(args):
         raise specbench.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     device = resolve_device(args.device)
     methods = specbench.parse_methods(args.methods)
-    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    cats = None
+    if args.categories is not None:
+        cats = [c.strip() for c in args.categories.split(",") if c.strip()]
+        if not cats:  # an empty selection is not "all": that would run the whole benchmark
+            raise specbench.BenchError(f"--categories {args.categories!r} names no category; leave it "
+                                       "out for all of them")
     questions = specbench.load_questions(args.questions, cats, args.limit)
     budget = parse_budget(args.budget, prog="specdec-bench")
     drafter_opts = parse_opts(args.opt, prog="specdec-bench")

@@ -189,6 +189,10 @@ def test_cli_errors_and_serve_dispatch(tmp_path, capsys):
     assert cli.main(["--target", "tiny-llama", "--methods", "plain", "--limit", "1", "--max-new-tokens", "2",
                      "--out", str(tmp_path / "a-file")]) == 2
     assert "cannot be a folder" in capsys.readouterr().err
+    for empty in ("", ",", " , "):                            # not silently every category
+        assert cli.main(["--target", "tiny-llama", "--categories", empty, "--out", str(tmp_path / "e")]) == 2
+        assert "names no category" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--serve", "--help"])
     assert exit_info.value.code == 0
