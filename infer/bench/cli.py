@@ -97,6 +97,8 @@ def run(args):
 
     if args.max_new_tokens < 1:
         raise specbench.BenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.runs < 1:  # said before the target loads, not after
+        raise specbench.BenchError(f"--runs must be >= 1, got {args.runs}")
     device = resolve_device(args.device)
     methods = specbench.parse_methods(args.methods)
     cats = None

@@ -193,6 +193,8 @@ def test_cli_errors_and_serve_dispatch(tmp_path, capsys):
         assert cli.main(["--target", "tiny-llama", "--categories", empty, "--out", str(tmp_path / "e")]) == 2
         assert "names no category" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+    assert cli.main(["--target", "no-such-target-is-loaded", "--runs", "0", "--out", str(tmp_path / "r")]) == 2
+    assert "--runs must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--serve", "--help"])
     assert exit_info.value.code == 0
