@@ -232,6 +232,10 @@ def evaluate_run(args) -> int:
 
     if args.depth < 1 or args.batch_size < 1:
         raise CaptureError("--depth and --batch-size must be >= 1")
+    if args.json and os.path.isdir(args.json):  # said now, not after every head is scored
+        raise CaptureError(f"--json {args.json} is a folder; give a file name")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     captured = read_manifest(Path(args.features))
     # the target whose features these are, in the capture's dtype (its embeddings and LM head
     # complete each head); --dtype is what the heads compute in

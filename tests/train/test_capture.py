@@ -263,7 +263,7 @@ def test_cli_evaluate_scores_heads_on_a_capture(tmp_path, monkeypatch, tiny_targ
     head = get_head_class("eagle3").from_target(tiny_target)
     head.save_pretrained(tmp_path / "head")
 
-    report = tmp_path / "r.json"
+    report = tmp_path / "reports" / "r.json"  # its folder is made
     argv = ["evaluate", str(tmp_path / "head"), "--target", str(tiny_target_dir), "--depth", "3"]
     assert main([*argv, "--features", str(tmp_path / "e3"), "--json", str(report)]) == 0
     got = json.loads(report.read_text())[str(tmp_path / "head")]
@@ -299,3 +299,12 @@ def test_cli_capture_out_that_is_a_file_is_a_line(tmp_path, capsys):
                  "--out", str(out)]) == 2  # said before the target loads, not a FileExistsError
     assert "is a file, not a capture directory" in capsys.readouterr().err
     assert out.read_text() == "keep me\n"
+
+
+
+def test_cli_evaluate_json_that_is_a_folder_is_said_before_scoring(tmp_path, capsys):
+    from specdec.train.data_cli import main
+
+    assert main(["evaluate", str(tmp_path / "head"), "--features", str(tmp_path / "nothing-captured"),
+                 "--json", str(tmp_path)]) == 2
+    assert f"--json {tmp_path} is a folder" in capsys.readouterr().err
