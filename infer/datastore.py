@@ -180,13 +180,17 @@ def corpus_paths(names: Sequence[str]) -> list[Path]:
     return paths
 
 
-def tokenize_corpus(paths: Sequence[str | os.PathLike], tokenizer) -> list[list[int]]:
+def tokenize_corpus(paths: Sequence[str | os.PathLike], tokenizer,
+                    progress: bool = False) -> list[list[int]]:
     """Every conversation of the files (any format ``specdec.train.data`` reads) -> its token
     ids under the tokenizer's chat template (plain turns joined by blank lines without one)."""
+    from tqdm.auto import tqdm
+
     from specdec.train.data import iter_conversations
 
     docs = []
-    for conv in iter_conversations([str(p) for p in paths], on_error="skip"):
+    convs = iter_conversations([str(p) for p in paths], on_error="skip")
+    for conv in tqdm(convs, desc="datastore: tokenise", unit="conv", disable=not progress):
         msgs = [m for m in conv.messages if m.get("content")]
         if not msgs:
             continue
@@ -370,7 +374,8 @@ def datastore_command(args) -> int:
         _, where, gguf = resolve_target(args.target)
         tokenizer = AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf} if gguf else {}))
         files = corpus_paths(args.data) if args.data else default_corpus_files()
-        out = build_datastore(tokenize_corpus(files, tokenizer), args.out, tokenizer,
+        _check_replaceable(Path(args.out))  # before the corpus is tokenised
+        out = build_datastore(tokenize_corpus(files, tokenizer, progress=True), args.out, tokenizer,
                               sources=[f.name for f in files])
         store = Datastore.load(out, tokenizer)
     except DatastoreError as err:

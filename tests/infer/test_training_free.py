@@ -277,7 +277,7 @@ def test_default_datastore_is_built_once_over_the_bundled_prompts(tiny_target, t
     assert (first.path / "tokens.npy").stat().st_mtime_ns == stamp  # cached, not rebuilt
 
 
-def test_datastore_subcommand(tiny_target_dir, tmp_path):
+def test_datastore_subcommand(tiny_target_dir, tmp_path, capsys):
     from specdec.train.data_cli import main
 
     corpus = tmp_path / "c.jsonl"
@@ -288,6 +288,7 @@ def test_datastore_subcommand(tiny_target_dir, tmp_path):
     assert Datastore.load(tmp_path / "ds").header["num_documents"] == 1
     assert main(["datastore", "--target", str(tiny_target_dir), "--data", str(tmp_path / "missing.jsonl"),
                  "--out", str(tmp_path / "ds2")]) == 2
+    assert "datastore: tokenise" in capsys.readouterr().err  # progress while a corpus is tokenised
 
 
 def test_datastore_refuses_an_out_folder_that_holds_other_files(tmp_path):
