@@ -137,7 +137,9 @@ def parse_methods(text: str) -> list[MethodSpec]:
         s.label = s.name if counts[s.name] == 1 else f"{s.name}={s.value}"
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
-        raise BenchError(f"methods repeat: {labels}")
+        typed = [s.name if s.value is None else f"{s.name}={s.value}" for s in specs]
+        twice = sorted({t for t in typed if typed.count(t) > 1})
+        raise BenchError(f"--methods names {', '.join(twice)} more than once")
     return specs
 
 

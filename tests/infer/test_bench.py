@@ -60,6 +60,9 @@ def test_method_specs():
     assert kw["hybrid"] == {"method": "hybrid", "draft_head": "/heads/e3"}
     twice = specbench.parse_methods("rest=/a,rest=/b")
     assert [s.label for s in twice][2:] == ["rest=/a", "rest=/b"]
+    for text, named in (("plain,plain", "plain"), ("pld,pld", "pld"), ("eagle3=/h,eagle3=/h", "eagle3=/h")):
+        with pytest.raises(BenchError, match=f"--methods names {named} more than once"):
+            specbench.parse_methods(text)
     with pytest.raises(BenchError, match="unknown method"):
         specbench.parse_methods("plain,warp")
     with pytest.raises(BenchError, match="takes no"):
