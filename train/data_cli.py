@@ -91,6 +91,8 @@ def _check_regenerate_args(args) -> None:
         bad.append(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         bad.append(f"--top-p must be in (0, 1], got {args.top_p}")
+    if os.path.isdir(args.out):
+        bad.append(f"--out {args.out} is a folder; regenerate writes a JSONL file (say {args.out}/replies.jsonl)")
     if bad:
         raise DataError("; ".join(bad))
 

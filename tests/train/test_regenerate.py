@@ -124,6 +124,15 @@ def test_cli_bad_flag_is_a_line_not_a_traceback(tmp_path, prompts_file, capsys, 
     assert not out.exists()
 
 
+def test_cli_out_that_is_a_folder_is_a_line(tmp_path, prompts_file, capsys):
+    from specdec.train.data_cli import main
+
+    argv = ["regenerate", "--target", "no-such-target-is-loaded", "--data", str(prompts_file),
+            "--out", str(tmp_path)]
+    assert main(argv) == 2  # not an IsADirectoryError traceback after the target loads
+    assert "is a folder; regenerate writes a JSONL file" in capsys.readouterr().err
+
+
 def test_recipe_keeps_original_replies_only_of_files_that_have_them(tmp_path, tiny_target, prompts_file):
     """A prompt-only file (like bundled:tasks) is self-distilled; asking to keep the datasets'
     own replies too must not fail on it, only skip it."""
