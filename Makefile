@@ -21,7 +21,7 @@ help:
 	@echo "make test-formats  - opt-in: load our exports with the 'speculators' package (own venv)"
 	@echo "make gpu-check     - on a CUDA machine: Triton kernels vs reference + step timings"
 	@echo "make install       - only create .venv and install specdec into it (the others do it first)"
-	@echo "make clean         - remove what the targets above built"
+	@echo "make clean         - remove .venv and the build files (keeps .cache: the converted model, kernels; rm -rf .cache for those)"
 
 # A torch that already imports (say the user's CUDA build) is kept: the venv then sees it.
 $(BIN)/python:

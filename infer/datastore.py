@@ -181,15 +181,16 @@ def corpus_paths(names: Sequence[str]) -> list[Path]:
 
 
 def tokenize_corpus(paths: Sequence[str | os.PathLike], tokenizer,
-                    progress: bool = False) -> list[list[int]]:
+                    progress: bool = False, on_error: str = "skip") -> list[list[int]]:
     """Every conversation of the files (any format ``specdec.train.data`` reads) -> its token
-    ids under the tokenizer's chat template (plain turns joined by blank lines without one)."""
+    ids under the tokenizer's chat template (plain turns joined by blank lines without one).
+    ``on_error``: a malformed record is skipped (and counted) or stops with its file:line."""
     from tqdm.auto import tqdm
 
     from specdec.train.data import iter_conversations
 
     docs = []
-    convs = iter_conversations([str(p) for p in paths], on_error="skip")
+    convs = iter_conversations([str(p) for p in paths], on_error=on_error)
     for conv in tqdm(convs, desc="datastore: tokenise", unit="conv", disable=not progress):
         msgs = [m for m in conv.messages if m.get("content")]
         if not msgs:
@@ -359,6 +360,9 @@ def add_datastore_arguments(parser) -> None:
                         help="JSON/JSONL conversation files or bundled set names (default: all "
                              "bundled prompt sets)")
     parser.add_argument("--out", required=True, help="datastore folder to write")
+    parser.add_argument("--on-error", default="skip", choices=["skip", "fail"],
+                        help="malformed record: skip it and print a count, or stop with file:line "
+                             "(default: %(default)s)")
 
 
 def datastore_command(args) -> int:
@@ -375,8 +379,8 @@ def datastore_command(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf} if gguf else {}))
         files = corpus_paths(args.data) if args.data else default_corpus_files()
         _check_replaceable(Path(args.out))  # before the corpus is tokenised
-        out = build_datastore(tokenize_corpus(files, tokenizer, progress=True), args.out, tokenizer,
-                              sources=[f.name for f in files])
+        docs = tokenize_corpus(files, tokenizer, progress=True, on_error=args.on_error)
+        out = build_datastore(docs, args.out, tokenizer, sources=[f.name for f in files])
         store = Datastore.load(out, tokenizer)
     except DatastoreError as err:
         print(f"specdec-data datastore: error: {err}", file=sys.stderr)

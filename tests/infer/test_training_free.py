@@ -289,6 +289,13 @@ def test_datastore_subcommand(tiny_target_dir, tmp_path, capsys):
     assert main(["datastore", "--target", str(tiny_target_dir), "--data", str(tmp_path / "missing.jsonl"),
                  "--out", str(tmp_path / "ds2")]) == 2
     assert "datastore: tokenise" in capsys.readouterr().err  # progress while a corpus is tokenised
+    corpus.write_text(corpus.read_text() + "{not json\n")
+    assert main(["datastore", "--target", str(tiny_target_dir), "--data", str(corpus),
+                 "--out", str(tmp_path / "ds3")]) == 0
+    assert "skipped 1 malformed" in capsys.readouterr().err
+    assert main(["datastore", "--target", str(tiny_target_dir), "--data", str(corpus), "--on-error", "fail",
+                 "--out", str(tmp_path / "ds4")]) == 2
+    assert f"{corpus}:2" in capsys.readouterr().err
 
 
 def test_datastore_refuses_an_out_folder_that_holds_other_files(tmp_path):
