@@ -18,7 +18,8 @@ class LLM:
     """A target, an optional drafter (``method`` + ``head``) and an engine around them.
 
     ``target``: a name or folder for ``load_target`` or an already loaded ``Target``.
-    ``method`` None: the head's own (``eagle3`` for an EAGLE-3 head folder), ``plain`` without one.
+    ``method`` None: the head's own (``eagle3`` for an EAGLE-3 head folder), ``plain`` without one;
+    a ``head`` that is no head folder (a typo, a config without a head type) is reported as such.
     ``drafter_opts`` go to the drafter's factory (e.g. a head drafter's tree options).
     ``dtype`` None: an already loaded target runs in its own dtype, a name loads in float32;
     ``auto``: bfloat16 where the device decodes faster in it (``dtypes.fast_bf16_decoding``), else float32.
@@ -42,8 +43,12 @@ class LLM:
         if not isinstance(target, Target):
             target = load_target(target, dtype=dtype or "float32", device=device)
         if method is None:  # a head drafts with its own method (a folder: its config's head type)
-            own = head.method_name() if hasattr(head, "method_name") else head and method_for_head(head)
-            method = own or "plain"
+            if head is None:
+                method = "plain"
+            elif hasattr(head, "method_name"):
+                method = head.method_name()
+            else:  # a folder that names no head type: eagle3's loader says what is wrong with it
+                method = method_for_head(head) or "eagle3"
         self.target = target
         self.method = method
         self.drafter = make_drafter(method, self.target, head=head, **drafter_opts)

@@ -471,3 +471,12 @@ def test_eagle_drafter_logits_follow_the_heads_weights(tiny_target):
     with torch.no_grad():
         head.lm_head.weight.mul_(2.0)
     torch.testing.assert_close(drafter._draft_logits(x), 2 * before)
+
+
+def test_llm_with_a_missing_head_folder_names_the_folder(tiny_target, tmp_path):
+    from specdec.infer.api import LLM
+
+    with pytest.raises(DrafterError, match="does not exist"):  # not "method 'plain' takes no head"
+        LLM(tiny_target, head=str(tmp_path / "no-such-head"))
+    with pytest.raises(Exception, match="not a head folder"):
+        LLM(tiny_target, head=str(tmp_path))

@@ -59,7 +59,7 @@ def test_bad_options_devices_and_long_prompts_are_said_in_a_line(tiny_target_dir
     assert main([*base, "--opt", "ngram=3"]) == 2                  # plain drafts nothing
     assert "method 'plain' drafts nothing" in capsys.readouterr().err
     assert main([*base, "--head", str(tiny_target_dir)]) == 2      # a target folder, not a head
-    assert "method 'plain' takes no head" in capsys.readouterr().err
+    assert "has no 'head_type'" in capsys.readouterr().err    # not "method 'plain' takes no head"
     assert main([*base, "--method", "pld", "--opt", "dtype=1"]) == 2
     assert "--opt dtype: not a drafter option" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
