@@ -7,11 +7,20 @@
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Sequence
 
+import torch
+
+from specdec.infer.cache import CacheFullError
 from specdec.infer.requests import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def _preview(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class LLM:
@@ -64,6 +73,11 @@ class LLM:
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt; ``chat`` wraps a string as one user turn of the chat template."""
         if not isinstance(prompt, str):
+            if torch.is_tensor(prompt):
+                prompt = prompt.tolist()
+            if not isinstance(prompt, Sequence) or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+                raise TypeError(f"a prompt is a string or a list of token ids (ints), got {_preview(prompt)}")
             return [int(t) for t in prompt]
         tok = self.tokenizer
         if not chat:
@@ -78,9 +92,21 @@ class LLM:
                  chat: bool = False, budget=None,
                  on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching up to ``max_batch``); outputs in prompt
-        order. ``on_output`` sees every per-step delta (streaming); ``budget`` goes to ``step``."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+        order. ``prompts``: a string, a list of token ids (or a 1-D tensor), or a list of those;
+        ``params``: one SamplingParams for all or a list with one per prompt. A prompt that is
+        empty, too long for ``max_len`` or not token ids raises before anything runs, naming its
+        index. ``on_output`` sees every per-step delta (streaming); ``budget`` goes to ``step``."""
+        if torch.is_tensor(prompts):  # 1-D: one prompt's ids, 2-D: one row per prompt
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts)
+                                        and isinstance(prompts[0], numbers.Number)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError("prompts: a string, a list of token ids, or a list of those; "
+                            f"got {type(prompts).__name__}")
+        for sp in (params if isinstance(params, (list, tuple)) else [params]):
+            if sp is not None and not isinstance(sp, SamplingParams):
+                raise TypeError(f"params: a SamplingParams or a list of them, got {type(sp).__name__}")
         params = params or SamplingParams()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -88,10 +114,13 @@ class LLM:
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
-            for prompt, sp in zip(prompts, per_prompt):
+            for i, (prompt, sp) in enumerate(zip(prompts, per_prompt)):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(rid, self.encode(prompt, chat), sp)
+                try:
+                    self.engine.add_request(rid, self.encode(prompt, chat), sp)
+                except (TypeError, ValueError, CacheFullError) as e:  # name the prompt, not our request id
+                    raise type(e)(f"prompt {i}: " + str(e).replace(f"request {rid!r}: ", "")) from None
                 ids.append(rid)
             while any(rid not in final for rid in ids):
                 for out in self.engine.step(budget):

@@ -480,3 +480,24 @@ def test_llm_with_a_missing_head_folder_names_the_folder(tiny_target, tmp_path):
         LLM(tiny_target, head=str(tmp_path / "no-such-head"))
     with pytest.raises(Exception, match="not a head folder"):
         LLM(tiny_target, head=str(tmp_path))
+
+
+def test_llm_generate_prompt_forms_and_mistakes(tiny_target):
+    from specdec.infer.api import LLM
+
+    llm = LLM(tiny_target, "plain", max_batch=2, max_len=64)
+    sp = SamplingParams(max_tokens=3)
+    want = llm.generate([[5, 6, 7]], sp)[0].token_ids
+    assert llm.generate(torch.tensor([5, 6, 7]), sp)[0].token_ids == want  # a 1-D tensor is one prompt
+    assert [o.token_ids for o in llm.generate(torch.tensor([[5, 6, 7], [5, 6, 7]]), sp)] == [want, want]
+    with pytest.raises(ValueError, match=r"^prompt 1: the prompt is empty"):  # its index, not "gen-N"
+        llm.generate(["ok", ""], sp)
+    with pytest.raises(Exception, match=r"^prompt 0: prompt of \d+ tokens .*max_len=64"):
+        llm.generate(["hello " * 20], sp)
+    with pytest.raises(TypeError, match="token ids"):  # 1.5 was silently truncated to 1
+        llm.generate([1.5, 2], sp)
+    with pytest.raises(TypeError, match="prompts"):
+        llm.generate(None, sp)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate("ok", {"max_tokens": 3})
+    assert not llm.engine.has_unfinished() and llm.generate([[5, 6, 7]], sp)[0].token_ids == want
