@@ -17,7 +17,8 @@ class SamplingParams:
 
     temperature 0 -> greedy (lossless w.r.t. the target's argmax); otherwise the target's
     distribution after temperature / top-k / top-p is reproduced exactly by stochastic acceptance.
-    stop: strings that end the output (the text is cut before the first one).
+    stop: strings that end the output (the text is cut before the first one); one string or a list.
+    stop_token_ids: token ids that end the output (kept in it, like eos); one id or a list.
     """
 
     max_tokens: int = 256
@@ -34,6 +35,12 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"{name} must be a whole number, got {value!r}")
+        for name in ("temperature", "top_p"):  # "0.7" from a config file: say so, not "'>=' not supported"
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise ValueError(f"seed must be a whole number or None, got {self.seed!r}")  # torch said it at generate
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0 or math.isinf(self.temperature):  # NaN fails every comparison
@@ -45,7 +52,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
+        if isinstance(self.stop_token_ids, numbers.Integral):  # one id, as ``stop`` takes one string
+            self.stop_token_ids = [self.stop_token_ids]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (ints), got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

@@ -501,3 +501,12 @@ def test_llm_generate_prompt_forms_and_mistakes(tiny_target):
     with pytest.raises(TypeError, match="SamplingParams"):
         llm.generate("ok", {"max_tokens": 3})
     assert not llm.engine.has_unfinished() and llm.generate([[5, 6, 7]], sp)[0].token_ids == want
+
+
+def test_sampling_params_type_mistakes_are_value_errors():
+    assert SamplingParams(stop_token_ids=7).stop_token_ids == [7]  # was TypeError: 'int' is not iterable
+    for bad in (dict(temperature="0.7"), dict(top_p="1"), dict(seed="a"), dict(seed=1.5),
+                dict(stop_token_ids=["x"])):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams(temperature=1, top_p=1, seed=0).seed == 0
