@@ -95,7 +95,8 @@ class LLM:
         order. ``prompts``: a string, a list of token ids (or a 1-D tensor), or a list of those;
         ``params``: one SamplingParams for all or a list with one per prompt. A prompt that is
         empty, too long for ``max_len`` or not token ids raises before anything runs, naming its
-        index. ``on_output`` sees every per-step delta (streaming); ``budget`` goes to ``step``."""
+        index. ``on_output`` sees every per-step delta (streaming); ``budget``: one ``TreeBudget``
+        for every request's draft trees (None: the drafter's default)."""
         if torch.is_tensor(prompts):  # 1-D: one prompt's ids, 2-D: one row per prompt
             prompts = prompts.tolist()
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and len(prompts)
@@ -104,6 +105,10 @@ class LLM:
         if not isinstance(prompts, Sequence):
             raise TypeError("prompts: a string, a list of token ids, or a list of those; "
                             f"got {type(prompts).__name__}")
+        from specdec.heads.tree import TreeBudget
+
+        if budget is not None and not isinstance(budget, TreeBudget):  # the ids a step's dict takes are ours
+            raise TypeError(f"budget: a TreeBudget for every prompt's draft trees, or None; got {type(budget).__name__}")
         for sp in (params if isinstance(params, (list, tuple)) else [params]):
             if sp is not None and not isinstance(sp, SamplingParams):
                 raise TypeError(f"params: a SamplingParams or a list of them, got {type(sp).__name__}")

@@ -510,3 +510,13 @@ def test_sampling_params_type_mistakes_are_value_errors():
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert SamplingParams(temperature=1, top_p=1, seed=0).seed == 0
+
+
+def test_llm_generate_budget_is_one_tree_budget(tiny_target):
+    from specdec.infer.api import LLM
+
+    llm = LLM(tiny_target, "pld", max_batch=2, max_len=64)
+    sp = SamplingParams(max_tokens=4)
+    with pytest.raises(TypeError, match="TreeBudget"):  # was AttributeError: no attribute 'max_nodes', mid-step
+        llm.generate("abcabc", sp, budget={"gen-0": TreeBudget(4, 4, 1)})
+    assert len(llm.generate("abcabc", sp, budget=TreeBudget(4, 4, 1))[0].token_ids) == 4
