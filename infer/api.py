@@ -39,7 +39,7 @@ class LLM:
     def __init__(self, target="smollm2-135m", method: str | None = None, head=None, dtype: str | None = None,
                  max_batch: int = 8, max_len: int | None = None, device: str = "auto",
                  prefill_chunk: int | None = None, prefix_cache_mb: float = 0, **drafter_opts):
-        from specdec.infer.drafters import make_drafter, method_for_head
+        from specdec.infer.drafters import default_method, make_drafter
         from specdec.infer.dtypes import dtype_name
         from specdec.infer.engine import Engine
         from specdec.infer.target import Target, load_target, resolve_device
@@ -52,12 +52,7 @@ class LLM:
         if not isinstance(target, Target):
             target = load_target(target, dtype=dtype or "float32", device=device)
         if method is None:  # a head drafts with its own method (a folder: its config's head type)
-            if head is None:
-                method = "plain"
-            elif hasattr(head, "method_name"):
-                method = head.method_name()
-            else:  # a folder that names no head type: eagle3's loader says what is wrong with it
-                method = method_for_head(head) or "eagle3"
+            method = default_method(head)
         self.target = target
         self.method = method
         self.drafter = make_drafter(method, self.target, head=head, **drafter_opts)

@@ -14,7 +14,7 @@ import sys
 
 from specdec.heads.tree import TreeBudget
 from specdec.infer.dtypes import AUTO_DECODING_HELP, DTYPE_CHOICES
-from specdec.infer.drafters import available_methods, target_for_head
+from specdec.infer.drafters import available_methods, default_target
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     import inspect
 
     from specdec.infer.api import LLM, SamplingParams
-    from specdec.infer.target import DEFAULT_TARGET
 
     budget = parse_budget(args.budget)  # usage errors before the model loads
     opts = parse_opts(args.opt)
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
-        target = args.target or (args.head and target_for_head(args.head)) or DEFAULT_TARGET
-        llm = LLM(target=target, method=args.method, head=args.head, dtype=args.dtype,
+        llm = LLM(target=default_target(args.target, args.head), method=args.method, head=args.head, dtype=args.dtype,
                   device=args.device, max_batch=max(1, len(args.prompt)) if args.json else 1,
                   max_len=args.max_len, **opts)
         return _generate(llm, args, params, budget)

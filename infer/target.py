@@ -226,8 +226,11 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     partial.rename(folder)  # atomic: a killed conversion never leaves a half folder
 
 
-def check_device(device) -> None:
-    """Raise TargetError, before any weights load, for a device this machine cannot run on."""
+def resolve_device(device: str | torch.device) -> str | torch.device:
+    """``auto``: cuda where a GPU is visible, else cpu; any other device is returned as it is, or
+    TargetError, before any weights load, for a device this machine cannot run on."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError) as err:
@@ -235,14 +238,7 @@ def check_device(device) -> None:
     if kind == "cuda" and not torch.cuda.is_available():
         why = "this PyTorch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
         raise TargetError(f"device {device!r}: {why}; use --device cpu (or auto)")
-
-
-def resolve_device(name: str | torch.device) -> str | torch.device:
-    """``auto``: cuda where a GPU is visible, else cpu; any other device is checked (``check_device``)."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(name)
-    return name
+    return device
 
 
 def load_target(name_or_path=None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> Target:

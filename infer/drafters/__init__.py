@@ -32,6 +32,25 @@ def method_for_head(folder) -> str | None:
     return _method_of_head_type().get(head_type)
 
 
+def default_method(head) -> str:
+    """The method a run without --method drafts with: the head's own (a loaded head's, or a
+    folder's config head type), plain without a head. A folder naming no head type gets eagle3,
+    whose loader then says what is wrong with it."""
+    if head is None:
+        return "plain"
+    if hasattr(head, "method_name"):
+        return head.method_name()
+    return method_for_head(head) or "eagle3"
+
+
+def default_target(target: str | None, head) -> str:
+    """The target a command runs: the one given, else the head folder's own (``target_for_head``),
+    else the embedded default."""
+    from specdec.infer.target import DEFAULT_TARGET
+
+    return target or (head and target_for_head(head)) or DEFAULT_TARGET
+
+
 def target_for_head(folder) -> str | None:
     """The target a head folder was trained on, by the name its recipe gave (final/recipe.yaml),
     where that name loads here: an embedded name, a hub id or an existing folder / .gguf; else None

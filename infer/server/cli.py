@@ -198,14 +198,14 @@ def parse_args(argv=None):
 
 
 def resolve_method(args) -> tuple[str, str | None]:
-    from specdec.infer.drafters import method_for_head, target_for_head
+    from specdec.infer.drafters import default_method, default_target
     from specdec.infer.target import DEFAULT_TARGET
 
     head = args.head
-    args.target = args.target or (head and target_for_head(head)) or DEFAULT_TARGET
+    args.target = default_target(args.target, head)
     if head is None and args.method in (None, "eagle3") and args.target == DEFAULT_TARGET and DEFAULT_HEAD.is_dir():
         head = str(DEFAULT_HEAD)
-    method = args.method or ((method_for_head(head) or "eagle3") if head else "plain")
+    method = args.method or default_method(head)
     return method, head
 
 
